@@ -1,0 +1,57 @@
+# The two commands of the README: `make book` and `make test`. Each sets itself up on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+JOBS   ?= 2
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+export PYTHONUNBUFFERED := 1
+export MPLBACKEND := Agg
+
+.PHONY: all setup book html test unit chapters site tangle check bench clean
+
+all: test
+
+# A virtual environment with the locked versions and the package (editable). Redone only when the lock or
+# pyproject.toml change.
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $@
+
+setup: $(STAMP)
+
+tangle: $(STAMP)
+	$(PY) -m annotated_transformer.tangle
+
+check: $(STAMP)
+	$(PY) -m annotated_transformer.tangle --check
+
+# Every chapter executed, warnings are errors, a failing cell fails the build.
+html: $(STAMP)
+	$(VENV)/bin/jupyter-book build . --all -W -n --keep-going
+
+book: check html
+	@echo "The book is in _build/html/index.html"
+
+unit: $(STAMP)
+	$(PY) -m pytest tests -n $(JOBS) -m "not site"
+
+chapters: $(STAMP)
+	$(PY) -m pytest book -n $(JOBS) --dist loadfile --nbval-lax --nbval-current-env
+
+site: $(STAMP)
+	AT_REQUIRE_SITE=1 $(PY) -m pytest tests -m site
+
+# Unit tests and every chapter through nbval in one pytest run, the tangle check, the book build, the site check.
+test: check
+	$(PY) -m pytest tests book -n $(JOBS) --dist loadfile --nbval-lax --nbval-current-env -m "not site"
+	$(MAKE) --no-print-directory html
+	$(MAKE) --no-print-directory site
+
+bench: $(STAMP)
+	$(PY) -m annotated_transformer.bench
+
+clean:
+	rm -rf _build
