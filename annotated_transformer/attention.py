@@ -13,7 +13,14 @@ from torch import nn
 
 
 def attention(query, key, value, mask=None, dropout=None):
-    """Scaled dot-product attention (equation 1): softmax(Q Kᵀ / √d_k) V."""
+    """Scaled dot-product attention, equation 1 of the paper: softmax(Q Kᵀ / √d_k) V.
+
+    query (..., T, d_k), key (..., S, d_k), value (..., S, d_v). ``mask`` is a bool tensor that broadcasts to
+    (..., T, S); True means "may attend". Masked scores are filled with the most negative finite value of the
+    dtype; a query that may attend to nothing gets zero weights and a zero output (as in
+    ``F.scaled_dot_product_attention``). ``dropout`` (a module) is applied to the weights.
+    Returns (output (..., T, d_v), weights (..., T, S)).
+    """
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
     d_k = query.size(-1)
@@ -29,7 +36,11 @@ def attention(query, key, value, mask=None, dropout=None):
 
 
 def check_mask(mask, batch, queries, keys):
-    """Validate a (B, 1, S) or (B, T, S) bool mask and add the head axis: (B, 1, T|1, S)."""
+    """Validate a (B, 1, S) or (B, T, S) bool mask (True = may attend); return it as (B, 1, 1|T, S).
+
+    A batch size of 1 is allowed too (the same mask for every example). Raises TypeError for a mask that is not
+    a bool tensor and ValueError for a wrong shape.
+    """
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
@@ -42,30 +53,15 @@ def check_mask(mask, batch, queries, keys):
     return mask.unsqueeze(1)
 
 
-@dataclass
-class KVCache:
-    static: bool = False
-    key: torch.Tensor | None = None
-    value: torch.Tensor | None = None
-
-    def __len__(self):
-        return 0 if self.key is None else self.key.size(2)
-
-    def update(self, key, value):
-        if self.static or self.key is None:
-            self.key, self.value = key, value
-        else:
-            self.key = torch.cat([self.key, key], dim=2)
-            self.value = torch.cat([self.value, value], dim=2)
-        return self.key, self.value
-
-    def reorder(self, index):
-        if self.key is not None:
-            self.key = self.key.index_select(0, index)
-            self.value = self.value.index_select(0, index)
-
-
 class MultiHeadedAttention(nn.Module):
+    """Multi-head attention (section 3.2.2) with h heads of size d_k = d_model / h.
+
+    ``forward(query, key, value, mask=None, cache=None)`` takes (B, T, d_model) queries, (B, S, d_model) keys
+    and values, and a bool mask of shape (B, 1, S) or (B, T, S) (True = may attend); it returns (B, T, d_model).
+    The default path calls ``F.scaled_dot_product_attention`` (fused kernels). Set ``record_attention = True``
+    to use the explicit ``attention`` instead and keep the weights, (B, h, T, S), in ``attention_weights``.
+    """
+
     def __init__(self, h, d_model, dropout=0.1):
         super().__init__()
         if h < 1 or d_model % h != 0:
@@ -80,20 +76,27 @@ class MultiHeadedAttention(nn.Module):
         self.attention_weights = None
 
     def split_heads(self, x):
+        """(B, L, d_model) -> (B, h, L, d_k): view the last axis as h heads, then move the heads forward."""
         batch, length, _ = x.shape
         return x.view(batch, length, self.h, self.d_k).transpose(1, 2)
 
     def forward(self, query, key, value, mask=None, cache=None):
-        if query.size(-1) != self.d_model or key.size(-1) != self.d_model or value.size(-1) != self.d_model:
-            raise ValueError(f"query, key and value must have last dimension d_model={self.d_model}")
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.dim() != 3 or x.size(-1) != self.d_model:
+                raise ValueError(f"{name} must have shape (batch, length, d_model={self.d_model}), got {tuple(x.shape)}")
+        if key.shape[:2] != value.shape[:2]:
+            raise ValueError(f"key and value must have the same batch size and length, got "
+                             f"{tuple(key.shape)} and {tuple(value.shape)}")
         batch, length, _ = query.shape
         q = self.split_heads(self.w_q(query))
         if cache is not None and cache.static and cache.key is not None:
-            k, v = cache.key, cache.value
+            k, v = cache.key, cache.value                      # cross-attention: projected once, reused
         else:
             k, v = self.split_heads(self.w_k(key)), self.split_heads(self.w_v(value))
             if cache is not None:
-                k, v = cache.update(k, v)
+                k, v = cache.update(k, v)                      # self-attention: append the new positions
+        if k.size(0) != batch:
+            raise ValueError(f"query has batch size {batch} but the keys have batch size {k.size(0)}")
         mask = check_mask(mask, batch, length, k.size(2))
         if self.record_attention:
             x, weights = attention(q, k, v, mask, self.dropout)
@@ -102,3 +105,35 @@ class MultiHeadedAttention(nn.Module):
             p = self.dropout.p if self.training else 0.0
             x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return self.w_o(x.transpose(1, 2).reshape(batch, length, self.d_model))
+
+
+@dataclass
+class KVCache:
+    """The keys and values of earlier positions, (B, h, L, d_k), kept between decoding steps.
+
+    ``static=False`` (self-attention): ``update`` appends the new positions. ``static=True`` (cross-attention):
+    the first ``update`` stores the keys and values and later calls of ``MultiHeadedAttention`` reuse them.
+    ``len(cache)`` is the number of cached positions.
+    """
+
+    static: bool = False
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+
+    def __len__(self):
+        return 0 if self.key is None else self.key.size(2)
+
+    def update(self, key, value):
+        """Store (static) or append (not static) the new keys and values; return all of them."""
+        if self.static or self.key is None:
+            self.key, self.value = key, value
+        else:
+            self.key = torch.cat([self.key, key], dim=2)
+            self.value = torch.cat([self.value, value], dim=2)
+        return self.key, self.value
+
+    def reorder(self, index):
+        """Keep the batch entries ``index`` (a LongTensor), in that order: used by beam search."""
+        if self.key is not None:
+            self.key = self.key.index_select(0, index)
+            self.value = self.value.index_select(0, index)
