@@ -187,7 +187,8 @@ def write_package(root: Path, modules: dict[str, str]) -> list[str]:
 
 
 def find_root(start: Path | None = None) -> Path:
-    candidates = [Path(start or Path.cwd()).resolve(), Path(__file__).resolve().parents[1]]
+    here = Path(start or Path.cwd()).resolve()
+    candidates = [here, *here.parents, Path(__file__).resolve().parents[1]]
     for candidate in candidates:
         if (candidate / "_toc.yml").exists() and (candidate / "book").is_dir():
             return candidate
