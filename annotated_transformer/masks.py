@@ -4,16 +4,57 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 
-def subsequent_mask(size):
-    return torch.ones(1, size, size, dtype=torch.bool).tril()
+def _as_int(value, name: str) -> int:
+    """``value`` as a Python int (ints, NumPy integers and 0-d integer tensors are accepted)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
 
 
-def padding_mask(tokens, pad):
+def _check_tokens(tokens, name: str) -> None:
+    """Token ids must be a 2-D (batch, length) integer tensor."""
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    if tokens.dim() != 2:
+        raise ValueError(f"{name} must have shape (batch, length), got shape {tuple(tokens.shape)}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+
+
+def subsequent_mask(size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The causal mask of section 3.2.3, shape (1, size, size), bool.
+
+    Entry [0, i, j] is True when query i may attend to key j, that is when j <= i.
+    """
+    size = _as_int(size, "size")
+    if size < 0:
+        raise ValueError(f"size must be >= 0, got {size}")
+    return torch.ones(1, size, size, dtype=torch.bool, device=device).tril()
+
+
+def padding_mask(tokens: torch.Tensor, pad: int) -> torch.Tensor:
+    """The padding mask of a (B, S) batch of token ids, shape (B, 1, S), bool.
+
+    Entry [b, 0, j] is True when token j of sentence b is a real token (not ``pad``); the axis of
+    size 1 broadcasts over the queries, so padding is masked as a *key* for every query.
+    """
+    _check_tokens(tokens, "tokens")
+    pad = _as_int(pad, "pad")
     return (tokens != pad).unsqueeze(-2)
 
 
-def target_mask(tgt, pad):
-    return padding_mask(tgt, pad) & subsequent_mask(tgt.size(-1)).to(tgt.device)
+def target_mask(tgt: torch.Tensor, pad: int) -> torch.Tensor:
+    """The decoder self-attention mask of a (B, T) batch of target ids, shape (B, T, T), bool.
+
+    Entry [b, i, j] is True when query i may attend to key j: j <= i and token j is not ``pad``.
+    """
+    _check_tokens(tgt, "tgt")
+    return padding_mask(tgt, pad) & subsequent_mask(tgt.size(-1), device=tgt.device)
