@@ -1,0 +1,260 @@
+"""Tests of annotated_transformer.runtime: profiles, devices and seeds (book/intro.md)."""
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from annotated_transformer.runtime import PROFILES, by_profile, get_device, get_profile, seed_everything
+
+
+@pytest.fixture
+def no_accelerator(monkeypatch):
+    """Pretend that this machine has neither CUDA nor Apple MPS."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Pretend that this machine has one CUDA device (only torch.device objects are made, no CUDA work)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+@pytest.fixture
+def clean_environment(monkeypatch):
+    monkeypatch.delenv("AT_PROFILE", raising=False)
+    monkeypatch.delenv("AT_DEVICE", raising=False)
+
+
+# Profiles
+
+
+def test_profiles_are_quick_and_full():
+    assert PROFILES == ("quick", "full")
+
+
+@pytest.mark.parametrize(
+    "value, cuda, expected",
+    [
+        ("quick", False, "quick"),
+        ("quick", True, "quick"),
+        ("full", False, "full"),
+        ("full", True, "full"),
+        ("auto", False, "quick"),
+        ("auto", True, "full"),
+    ],
+)
+def test_profile_from_environment(monkeypatch, value, cuda, expected):
+    monkeypatch.setenv("AT_PROFILE", value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert get_profile() == expected
+
+
+@pytest.mark.parametrize("cuda, expected", [(False, "quick"), (True, "full")])
+@pytest.mark.parametrize("unset", [True, False])
+def test_profile_unset_or_empty_means_auto(monkeypatch, cuda, expected, unset):
+    if unset:
+        monkeypatch.delenv("AT_PROFILE", raising=False)
+    else:
+        monkeypatch.setenv("AT_PROFILE", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert get_profile() == expected
+
+
+@pytest.mark.parametrize("value, expected", [("QUICK", "quick"), ("Full", "full"), (" quick\n", "quick")])
+def test_profile_is_case_insensitive(monkeypatch, value, expected):
+    monkeypatch.setenv("AT_PROFILE", value)
+    assert get_profile() == expected
+    monkeypatch.delenv("AT_PROFILE")
+    assert get_profile(value) == expected
+
+
+def test_profile_auto_in_any_case(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("AT_PROFILE", "AUTO")
+    assert get_profile() == "full"
+
+
+def test_explicit_profile_wins_over_environment(monkeypatch):
+    monkeypatch.setenv("AT_PROFILE", "full")
+    assert get_profile("quick") == "quick"
+    monkeypatch.setenv("AT_PROFILE", "quick")
+    assert get_profile("full") == "full"
+
+
+@pytest.mark.parametrize("bad", ["fast", "ful", "gpu", "quick,full", "0"])
+def test_bad_profile_in_environment_raises(monkeypatch, bad):
+    monkeypatch.setenv("AT_PROFILE", bad)
+    with pytest.raises(ValueError, match="AT_PROFILE") as error:
+        get_profile()
+    assert repr(bad) in str(error.value)
+
+
+@pytest.mark.parametrize("bad", ["", "fast", 3])
+def test_bad_explicit_profile_raises(clean_environment, bad):
+    with pytest.raises(ValueError, match="AT_PROFILE"):
+        get_profile(bad)
+
+
+def test_by_profile_picks_the_matching_value(monkeypatch):
+    quick, full = object(), object()
+    assert by_profile(quick, full, profile="quick") is quick
+    assert by_profile(quick, full, profile="full") is full
+    assert by_profile(quick=200, full=20_000, profile="FULL") == 20_000
+    monkeypatch.setenv("AT_PROFILE", "quick")
+    assert by_profile(quick=200, full=20_000) == 200
+    monkeypatch.setenv("AT_PROFILE", "full")
+    assert by_profile(quick=200, full=20_000) == 20_000
+
+
+def test_by_profile_follows_auto(monkeypatch):
+    monkeypatch.setenv("AT_PROFILE", "auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert by_profile(1, 2) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert by_profile(1, 2) == 2
+
+
+def test_by_profile_rejects_bad_profile(monkeypatch):
+    monkeypatch.setenv("AT_PROFILE", "medium")
+    with pytest.raises(ValueError, match="AT_PROFILE"):
+        by_profile(1, 2)
+    with pytest.raises(ValueError, match="AT_PROFILE"):
+        by_profile(1, 2, profile="medium")
+
+
+# Devices
+
+
+def test_device_defaults_to_cpu_without_accelerators(clean_environment, no_accelerator):
+    assert get_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize("value", ["", "auto", " AUTO "])
+def test_empty_or_auto_device_means_default(monkeypatch, no_accelerator, value):
+    monkeypatch.setenv("AT_DEVICE", value)
+    assert get_device() == torch.device("cpu")
+    assert get_device(value) == torch.device("cpu")
+
+
+def test_device_prefers_cuda_then_mps(clean_environment, monkeypatch, fake_cuda):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert get_device() == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert get_device() == torch.device("mps")
+
+
+def test_at_device_overrides_the_default(monkeypatch, fake_cuda):
+    monkeypatch.setenv("AT_DEVICE", "cpu")
+    assert get_device() == torch.device("cpu")
+    monkeypatch.setenv("AT_DEVICE", "cuda:0")
+    assert get_device() == torch.device("cuda", 0)
+
+
+def test_explicit_device_wins_over_environment(monkeypatch, no_accelerator):
+    monkeypatch.setenv("AT_DEVICE", "cuda")  # would raise here; the argument takes precedence
+    assert get_device("cpu") == torch.device("cpu")
+    assert get_device(torch.device("cpu")) == torch.device("cpu")
+
+
+# ids: a parameter id "cuda" would become a keyword, which tests/conftest.py reads as the cuda marker
+@pytest.mark.parametrize("name", ["cuda", "cuda:0", "CUDA:1"], ids=["no-index", "index-0", "upper-case"])
+def test_cuda_without_cuda_raises(monkeypatch, no_accelerator, name):
+    monkeypatch.delenv("AT_DEVICE", raising=False)
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        get_device(name)
+    monkeypatch.setenv("AT_DEVICE", name)
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        get_device()
+
+
+def test_cuda_index_beyond_the_devices_raises(clean_environment, fake_cuda):
+    assert get_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="1 CUDA device"):
+        get_device("cuda:3")
+
+
+def test_mps_without_mps_raises(clean_environment, no_accelerator):
+    with pytest.raises(ValueError, match="MPS is not available"):
+        get_device("mps")
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "cpu0"])
+def test_bad_device_string_raises(monkeypatch, no_accelerator, bad):
+    monkeypatch.setenv("AT_DEVICE", bad)
+    with pytest.raises(ValueError, match="AT_DEVICE") as error:
+        get_device()
+    assert repr(bad) in str(error.value)
+
+
+# Seeds
+
+
+def test_seed_makes_torch_randn_reproducible():
+    seed_everything(1234)
+    first = torch.randn(5, 7)
+    seed_everything(1234)
+    assert torch.equal(first, torch.randn(5, 7))
+    seed_everything(1235)
+    assert not torch.equal(first, torch.randn(5, 7))
+
+
+def test_seed_covers_python_and_numpy():
+    seed_everything(7)
+    first = (random.random(), np.random.rand(3))
+    seed_everything(7)
+    second = (random.random(), np.random.rand(3))
+    assert first[0] == second[0]
+    np.testing.assert_array_equal(first[1], second[1])
+
+
+def test_seed_makes_module_initialisation_reproducible():
+    seed_everything(0)
+    first = torch.nn.Linear(4, 3).weight.detach().clone()
+    seed_everything(0)
+    assert torch.equal(first, torch.nn.Linear(4, 3).weight)
+
+
+@pytest.mark.parametrize("bad, error", [(1.5, TypeError), ("1", TypeError), (True, TypeError),
+                                        (-1, ValueError), (2**32, ValueError)])
+def test_bad_seed_raises(bad, error):
+    with pytest.raises(error, match="seed"):
+        seed_everything(bad)
+
+
+def test_deterministic_only_when_asked(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        seed_everything(0)
+        assert not torch.are_deterministic_algorithms_enabled()
+        seed_everything(0, deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.benchmark is False
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+# On a CUDA machine
+
+
+@pytest.mark.cuda
+def test_cuda_machine_defaults(clean_environment):
+    device = get_device()
+    assert device.type == "cuda"
+    assert get_profile() == "full"
+    assert by_profile(quick=200, full=20_000) == 20_000
+    assert torch.ones(2, device=device).is_cuda
+
+
+@pytest.mark.cuda
+def test_seed_makes_cuda_randn_reproducible(clean_environment):
+    seed_everything(3)
+    first = torch.randn(1000, device="cuda")
+    seed_everything(3)
+    assert torch.equal(first, torch.randn(1000, device="cuda"))
