@@ -4,15 +4,28 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
 class PositionwiseFeedForward(nn.Module):
-    def __init__(self, d_model, d_ff, dropout=0.1):
+    """The position-wise feed-forward network of section 3.3, equation 2: ``w_2(dropout(relu(w_1(x))))``.
+
+    The same two linear maps act on every position separately. Dropout acts on the hidden activations (the paper
+    does not say where; this follows the 2022 Annotated Transformer and ``nn.TransformerEncoderLayer``).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1):
         super().__init__()
+        for name, value in (("d_model", d_model), ("d_ff", d_ff)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.d_model = d_model
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.size(-1) != self.d_model:
+            raise ValueError(f"the input's last dimension must be d_model={self.d_model}, got shape {tuple(x.shape)}")
         return self.w_2(self.dropout(self.w_1(x).relu()))
