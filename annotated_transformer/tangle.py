@@ -186,11 +186,20 @@ def write_package(root: Path, modules: dict[str, str]) -> list[str]:
     return written
 
 
-def find_root(start: Path | None = None) -> Path:
-    here = Path(start or Path.cwd()).resolve()
-    candidates = [here, *here.parents, Path(__file__).resolve().parents[1]]
-    for candidate in candidates:
-        if (candidate / "_toc.yml").exists() and (candidate / "book").is_dir():
+def is_book(folder: Path) -> bool:
+    return (folder / "_toc.yml").exists() and (folder / "book").is_dir()
+
+
+def find_root(root: Path | None = None) -> Path:
+    """The book's repository: ``root`` if given (it must hold the book), else found from here."""
+    if root is not None:
+        root = Path(root).resolve()
+        if not is_book(root):
+            raise FileNotFoundError(f"{root} does not hold the book (no _toc.yml and book/ there)")
+        return root
+    here = Path.cwd().resolve()
+    for candidate in [here, *here.parents, Path(__file__).resolve().parents[1]]:
+        if is_book(candidate):
             return candidate
     raise FileNotFoundError(
         "cannot find the book (a folder with _toc.yml and book/): run from the repository or pass --root"

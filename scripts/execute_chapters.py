@@ -1,0 +1,44 @@
+"""Execute the book's chapters in parallel into a fresh jupyter-cache, before `jupyter-book build`.
+
+Jupyter Book 1 runs notebooks one at a time. With `execute_notebooks: cache`, it takes each chapter's outputs
+from the cache named in `_config.yml` when the chapter's source matches. This script empties that cache and fills
+it by running every chapter of `_toc.yml` with jupyter-cache's parallel executor, one kernel per core. The cache
+keys on cell sources only, so it must never outlive a build: `make html` always runs this script first. A chapter
+that fails here is not cached, and the book build then runs it again and reports the error.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from jupyter_cache import get_cache
+from jupyter_cache.executors import load_executor
+
+from annotated_transformer.tangle import chapter_paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=Path.cwd())
+    parser.add_argument("--cache", type=Path, default=Path("_build/.jupyter_cache"))
+    parser.add_argument("--timeout", type=int, default=900)
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    cache_path = (root / args.cache).resolve()
+    shutil.rmtree(cache_path, ignore_errors=True)
+    cache = get_cache(cache_path)
+    chapters = [path for path in chapter_paths(root) if path.read_text(encoding="utf-8").startswith("---")]
+    for path in chapters:
+        cache.add_nb_to_project(str(path), read_data={"name": "jupytext", "type": "plugin"})
+    executor = load_executor("local-parallel", cache)
+    result = executor.run_and_cache(timeout=args.timeout)
+    failed = [Path(uri).name for uri in [*result.excepted, *result.errored]]
+    print(f"executed {len(result.succeeded)} chapters; failed: {', '.join(failed) or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
