@@ -4,35 +4,64 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from annotated_transformer.attention import KVCache
+from annotated_transformer.encoder import check_module
 from annotated_transformer.sublayers import LayerNorm, SublayerConnection, clones
 
 
 class DecoderCache:
-    def __init__(self, num_layers):
+    """Keys and values kept between decoding steps, for each decoder layer.
+
+    ``layers[i]`` is ``(self_cache, cross_cache)`` for layer ``i``: the self-attention cache grows by the new
+    positions at each step, the cross-attention cache (``static=True``) holds the projected encoder memory.
+    ``len(cache)`` is the number of target positions already seen; ``reorder(index)`` selects batch rows (beams).
+    """
+
+    def __init__(self, num_layers: int):
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
         self.layers = [(KVCache(), KVCache(static=True)) for _ in range(num_layers)]
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.layers[0][0])
 
-    def reorder(self, index):
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (a 1-D long tensor) in every cache, e.g. the surviving beams."""
         for self_cache, cross_cache in self.layers:
             self_cache.reorder(index)
             cross_cache.reorder(index)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, size, self_attn, src_attn, feed_forward, dropout, norm_first=False):
+    """One decoder layer (section 3.1): masked self-attention, cross-attention over the encoder memory,
+    then a position-wise feed-forward network, each inside a residual connection with layer normalisation
+    (post-norm, or pre-norm when ``norm_first=True``).
+    """
+
+    def __init__(self, size: int, self_attn: nn.Module, src_attn: nn.Module, feed_forward: nn.Module,
+                 dropout: float, norm_first: bool = False):
         super().__init__()
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size (d_model) must be a positive integer, got {size!r}")
+        check_module("self_attn", self_attn)
+        check_module("src_attn", src_attn)
+        check_module("feed_forward", feed_forward)
+        if self_attn is src_attn:
+            raise ValueError("self_attn and src_attn must be two different modules (deep-copy one of them)")
         self.size = size
+        self.norm_first = bool(norm_first)
         self.self_attn = self_attn
         self.src_attn = src_attn
         self.feed_forward = feed_forward
         self.sublayer = clones(SublayerConnection(size, dropout, norm_first), 3)
 
     def forward(self, x, memory, src_mask, tgt_mask, cache=None):
+        """x: (B, T, d_model) target states; memory: (B, S, d_model); src_mask: (B, 1, S);
+        tgt_mask: (B, T, T) or, with a cache, (B, T, len(cache) + T), or None. True = may attend.
+        ``cache`` is this layer's ``(self_cache, cross_cache)`` pair or None. Returns (B, T, d_model)."""
         self_cache, cross_cache = cache if cache is not None else (None, None)
         x = self.sublayer[0](x, lambda x: self.self_attn(x, x, x, tgt_mask, cache=self_cache))
         x = self.sublayer[1](x, lambda x: self.src_attn(x, memory, memory, src_mask, cache=cross_cache))
@@ -40,12 +69,34 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, layer, N, norm_first=False):
+    """A stack of ``N`` deep copies of ``layer`` (section 3.1), with a final ``LayerNorm`` when pre-norm."""
+
+    def __init__(self, layer: DecoderLayer, N: int, norm_first: bool = False):
         super().__init__()
+        if not isinstance(layer, DecoderLayer):
+            raise TypeError(f"layer must be a DecoderLayer, got {type(layer).__name__}")
+        if isinstance(N, bool) or not isinstance(N, int) or N < 1:
+            raise ValueError(f"N (the number of layers) must be a positive integer, got {N!r}")
+        if layer.norm_first != bool(norm_first):
+            raise ValueError(
+                f"the layer has norm_first={layer.norm_first} but the stack norm_first={bool(norm_first)}; "
+                "they must agree (only a pre-norm stack ends with a LayerNorm)"
+            )
+        self.size = layer.size
         self.layers = clones(layer, N)
         self.norm = LayerNorm(layer.size) if norm_first else nn.Identity()
 
-    def forward(self, x, memory, src_mask, tgt_mask, cache=None):
+    def forward(self, x, memory, src_mask, tgt_mask, cache: DecoderCache | None = None):
+        """x: embedded target (B, T, d_model); memory: encoder output (B, S, d_model); masks as in
+        ``DecoderLayer``. With a ``DecoderCache``, ``x`` holds only the new positions. Returns (B, T, d_model)."""
+        for name, value in (("x", x), ("memory", memory)):
+            if value.dim() != 3 or value.size(-1) != self.size:
+                raise ValueError(f"{name} must have shape (batch, length, {self.size}), got {tuple(value.shape)}")
+        if cache is not None:
+            if not isinstance(cache, DecoderCache):
+                raise TypeError(f"cache must be a DecoderCache, got {type(cache).__name__}")
+            if len(cache.layers) != len(self.layers):
+                raise ValueError(f"cache has {len(cache.layers)} layers, the decoder {len(self.layers)}")
         for i, layer in enumerate(self.layers):
             x = layer(x, memory, src_mask, tgt_mask, None if cache is None else cache.layers[i])
         return self.norm(x)

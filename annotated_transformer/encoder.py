@@ -4,31 +4,72 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from annotated_transformer.sublayers import LayerNorm, SublayerConnection, clones
 
 
+def check_module(name: str, value) -> None:
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"{name} must be an nn.Module, got {type(value).__name__}")
+
+
 class EncoderLayer(nn.Module):
-    def __init__(self, size, self_attn, feed_forward, dropout, norm_first=False):
+    """One encoder layer (section 3.1): self-attention, then a position-wise feed-forward network.
+
+    Each sublayer sits inside a residual connection with layer normalisation: post-norm
+    ``LayerNorm(x + Sublayer(x))`` as in the paper, or pre-norm ``x + Sublayer(LayerNorm(x))`` when
+    ``norm_first=True``. ``self_attn`` is a ``MultiHeadedAttention`` and ``feed_forward`` a
+    ``PositionwiseFeedForward``, both of width ``size`` (= d_model).
+    """
+
+    def __init__(self, size: int, self_attn: nn.Module, feed_forward: nn.Module, dropout: float,
+                 norm_first: bool = False):
         super().__init__()
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size (d_model) must be a positive integer, got {size!r}")
+        check_module("self_attn", self_attn)
+        check_module("feed_forward", feed_forward)
         self.size = size
+        self.norm_first = bool(norm_first)
         self.self_attn = self_attn
         self.feed_forward = feed_forward
         self.sublayer = clones(SublayerConnection(size, dropout, norm_first), 2)
 
-    def forward(self, x, mask):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x: (B, S, d_model); mask: (B, 1, S) bool, True = may attend. Returns (B, S, d_model)."""
         x = self.sublayer[0](x, lambda x: self.self_attn(x, x, x, mask))
         return self.sublayer[1](x, self.feed_forward)
 
 
 class Encoder(nn.Module):
-    def __init__(self, layer, N, norm_first=False):
+    """A stack of ``N`` deep copies of ``layer`` (section 3.1; the paper uses N = 6).
+
+    With ``norm_first=True`` (pre-norm) a final ``LayerNorm`` normalises the output, as in PyTorch's
+    ``nn.TransformerEncoder(..., norm=LayerNorm)``; the post-norm stack has none, its last layer already ends
+    with a ``LayerNorm``.
+    """
+
+    def __init__(self, layer: EncoderLayer, N: int, norm_first: bool = False):
         super().__init__()
+        if not isinstance(layer, EncoderLayer):
+            raise TypeError(f"layer must be an EncoderLayer, got {type(layer).__name__}")
+        if isinstance(N, bool) or not isinstance(N, int) or N < 1:
+            raise ValueError(f"N (the number of layers) must be a positive integer, got {N!r}")
+        if layer.norm_first != bool(norm_first):
+            raise ValueError(
+                f"the layer has norm_first={layer.norm_first} but the stack norm_first={bool(norm_first)}; "
+                "they must agree (only a pre-norm stack ends with a LayerNorm)"
+            )
+        self.size = layer.size
         self.layers = clones(layer, N)
         self.norm = LayerNorm(layer.size) if norm_first else nn.Identity()
 
-    def forward(self, x, mask):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x: embedded source (B, S, d_model); mask: (B, 1, S) bool, True = may attend. Returns (B, S, d_model)."""
+        if x.dim() != 3 or x.size(-1) != self.size:
+            raise ValueError(f"x must have shape (batch, length, {self.size}), got {tuple(x.shape)}")
         for layer in self.layers:
             x = layer(x, mask)
         return self.norm(x)

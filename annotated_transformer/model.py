@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from torch import nn
 
 from annotated_transformer.attention import MultiHeadedAttention
-from annotated_transformer.decoder import Decoder, DecoderLayer
+from annotated_transformer.decoder import Decoder, DecoderCache, DecoderLayer
 from annotated_transformer.embeddings import Embeddings, Generator
 from annotated_transformer.encoder import Encoder, EncoderLayer
 from annotated_transformer.feed_forward import PositionwiseFeedForward
@@ -17,35 +18,78 @@ from annotated_transformer.positional import PositionalEncoding
 
 
 class Embed(nn.Module):
-    def __init__(self, embeddings, position):
+    """Token embedding (scaled by sqrt(d_model)) plus positional encoding: (B, L) ids -> (B, L, d_model).
+
+    ``offset`` is the position of ``tokens[:, 0]`` in the sequence (non-zero when decoding with a cache).
+    """
+
+    def __init__(self, embeddings: Embeddings, position: PositionalEncoding):
         super().__init__()
         self.embeddings = embeddings
         self.position = position
 
-    def forward(self, tokens, offset=0):
+    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
         return self.position(self.embeddings(tokens), offset)
 
 
 class EncoderDecoder(nn.Module):
-    def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
+    """The Transformer of section 3: an encoder, a decoder, their input embeddings and the generator.
+
+    ``forward(src, tgt, src_mask, tgt_mask)`` returns decoder states (B, T, d_model); apply ``generator`` to get
+    log-probabilities over the target vocabulary. ``config`` holds the arguments of ``make_model`` (or None).
+    """
+
+    def __init__(self, encoder: Encoder, decoder: Decoder, src_embed: Embed, tgt_embed: Embed,
+                 generator: Generator):
         super().__init__()
         self.encoder, self.decoder = encoder, decoder
         self.src_embed, self.tgt_embed = src_embed, tgt_embed
         self.generator = generator
+        self.config: dict | None = None
 
-    def encode(self, src, src_mask):
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None) -> torch.Tensor:
+        """src: (B, S) token ids; src_mask: (B, 1, S), True = may attend. Returns the memory (B, S, d_model)."""
         return self.encoder(self.src_embed(src), src_mask)
 
-    def decode(self, memory, src_mask, tgt, tgt_mask, cache=None):
+    def decode(self, memory, src_mask, tgt, tgt_mask, cache: DecoderCache | None = None) -> torch.Tensor:
+        """tgt: (B, T) token ids; tgt_mask: (B, T, T), True = may attend. With a cache, tgt holds only the new
+        tokens, at positions len(cache) onwards, and tgt_mask may be None. Returns states (B, T, d_model)."""
         offset = 0 if cache is None else len(cache)
         return self.decoder(self.tgt_embed(tgt, offset), memory, src_mask, tgt_mask, cache)
 
-    def forward(self, src, tgt, src_mask, tgt_mask):
+    def forward(self, src, tgt, src_mask, tgt_mask) -> torch.Tensor:
+        """Encode ``src`` and decode ``tgt`` (teacher forcing). Returns decoder states (B, T, d_model)."""
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
 
 
-def make_model(src_vocab, tgt_vocab, N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, *, norm_first=False,
-               share_embeddings=False):
+def check_size(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048, h: int = 8,
+               dropout: float = 0.1, *, norm_first: bool = False, share_embeddings: bool = False) -> EncoderDecoder:
+    """Build a Transformer (defaults: the paper's base model) with Xavier-initialised weight matrices.
+
+    ``norm_first=False`` is the paper's post-norm, ``True`` pre-norm. ``share_embeddings=True`` ties the source
+    embedding, the target embedding and the generator's weight (section 3.4); it needs src_vocab == tgt_vocab.
+    The arguments are kept in ``model.config``.
+    """
+    for name, value in (("src_vocab", src_vocab), ("tgt_vocab", tgt_vocab), ("N", N), ("d_model", d_model),
+                        ("d_ff", d_ff), ("h", h)):
+        check_size(name, value)
+    if d_model % h != 0:
+        raise ValueError(f"d_model ({d_model}) must be divisible by the number of heads h ({h})")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"dropout must be a float, got {type(dropout).__name__} {dropout!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+    if share_embeddings and src_vocab != tgt_vocab:
+        raise ValueError(
+            f"share_embeddings=True needs one shared vocabulary, but src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
+        )
     c = copy.deepcopy
     attn = MultiHeadedAttention(h, d_model, dropout)
     ff = PositionwiseFeedForward(d_model, d_ff, dropout)
@@ -61,6 +105,9 @@ def make_model(src_vocab, tgt_vocab, N=6, d_model=512, d_ff=2048, h=8, dropout=0
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
     if share_embeddings:
-        model.generator.proj.weight = model.tgt_embed.embeddings.lut.weight
-        model.src_embed.embeddings.lut.weight = model.tgt_embed.embeddings.lut.weight
+        shared = model.tgt_embed.embeddings.lut.weight
+        model.src_embed.embeddings.lut.weight = shared
+        model.generator.proj.weight = shared
+    model.config = dict(src_vocab=src_vocab, tgt_vocab=tgt_vocab, N=N, d_model=d_model, d_ff=d_ff, h=h,
+                        dropout=float(dropout), norm_first=bool(norm_first), share_embeddings=bool(share_embeddings))
     return model
