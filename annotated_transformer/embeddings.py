@@ -6,24 +6,54 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class Embeddings(nn.Module):
-    def __init__(self, d_model, vocab):
-        super().__init__()
-        self.lut = nn.Embedding(vocab, d_model)
-        self.d_model = d_model
+    """Token embeddings scaled by sqrt(d_model) (section 3.4 of the paper).
 
-    def forward(self, x):
-        return self.lut(x) * math.sqrt(self.d_model)
+    ``forward(tokens)`` maps integer ids of shape ``(...)`` to vectors of shape ``(..., d_model)``:
+    ``lut(tokens) * sqrt(d_model)``. Ids outside ``[0, vocab)`` raise a ``ValueError`` for tensors on the CPU
+    (on a GPU the check would cost a synchronisation, and PyTorch reports such ids as a device-side assert).
+    """
+
+    def __init__(self, d_model: int, vocab: int):
+        super().__init__()
+        for name, value in (("d_model", d_model), ("vocab", vocab)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.d_model = d_model
+        self.vocab = vocab
+        self.lut = nn.Embedding(vocab, d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"tokens must be an integer tensor (torch.long or torch.int), got {tokens.dtype}")
+        if tokens.device.type == "cpu" and tokens.numel() > 0:
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.vocab:
+                raise ValueError(
+                    f"token ids must lie in [0, {self.vocab - 1}] for a vocabulary of vocab={self.vocab}, "
+                    f"got ids from {low} to {high}"
+                )
+        return self.lut(tokens) * math.sqrt(self.d_model)
 
 
 class Generator(nn.Module):
-    def __init__(self, d_model, vocab):
+    """The output layer: a linear projection to ``vocab`` scores and a log-softmax (section 3.4).
+
+    ``forward(x)`` maps ``(..., d_model)`` to log-probabilities ``(..., vocab)``. With weight tying,
+    ``proj.weight`` is the embedding matrix; the bias ``proj.bias`` stays separate.
+    """
+
+    def __init__(self, d_model: int, vocab: int):
         super().__init__()
+        for name, value in (("d_model", d_model), ("vocab", vocab)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.proj = nn.Linear(d_model, vocab)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.log_softmax(self.proj(x), dim=-1)

@@ -4,33 +4,81 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 
-def sinusoid_table(max_len, d_model):
+def check_size(name: str, value) -> None:
+    """Raise a ValueError unless ``value`` is a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def sinusoid_table(max_len: int, d_model: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The positional encodings of section 3.5 for positions ``0 .. max_len - 1``: a ``(max_len, d_model)`` tensor.
+
+    Column ``2i`` holds ``sin(pos / 10000**(2i / d_model))`` and column ``2i + 1`` the cosine of the same angle.
+    Computed in float64 and returned as ``dtype``. ``d_model`` must be even (the columns come in pairs).
+    """
+    check_size("max_len", max_len)
+    check_size("d_model", d_model)
     if d_model % 2:
-        raise ValueError(f"d_model must be even for sinusoidal positions, got {d_model}")
-    position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
-    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+        raise ValueError(f"d_model must be even for sinusoidal positions (sine and cosine pairs), got {d_model}")
+    position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # 0, 2, 4, ..., d_model - 2
+    angle = position / 10000.0 ** (two_i / d_model)  # (max_len, d_model / 2)
     table = torch.zeros(max_len, d_model, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(position * inv_freq)
-    table[:, 1::2] = torch.cos(position * inv_freq)
-    return table.float()
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle)
+    return table.to(dtype)
+
+
+def check_positions(x: torch.Tensor, offset: int, d_model: int, max_len: int) -> None:
+    """Check that ``x`` is ``(batch, length, d_model)`` and positions ``offset .. offset + length - 1`` exist."""
+    if x.dim() != 3 or x.size(-1) != d_model:
+        raise ValueError(f"x must have shape (batch, length, d_model={d_model}), got {tuple(x.shape)}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset must be a non-negative int (the position of x[:, 0]), got {offset!r}")
+    if offset + x.size(1) > max_len:
+        raise ValueError(
+            f"positions {offset}..{offset + x.size(1) - 1} exceed the positional table (max_len={max_len}); "
+            f"build the module with a larger max_len"
+        )
 
 
 class PositionalEncoding(nn.Module):
-    def __init__(self, d_model, dropout, max_len=5000):
+    """Add the sinusoidal positional encodings of section 3.5, then apply dropout (section 5.4).
+
+    ``forward(x, offset=0)``: ``x`` is ``(batch, length, d_model)``; row ``t`` gets the encoding of position
+    ``offset + t``. Positions must stay below ``max_len``. The output has the dtype of ``x``.
+    """
+
+    def __init__(self, d_model: int, dropout: float, max_len: int = 5000):
         super().__init__()
+        self.d_model, self.max_len = d_model, max_len
         self.dropout = nn.Dropout(dropout)
         self.register_buffer("pe", sinusoid_table(max_len, d_model).unsqueeze(0), persistent=False)
 
-    def forward(self, x, offset=0):
-        length = x.size(1)
-        if offset + length > self.pe.size(1):
-            raise ValueError(
-                f"positions {offset}..{offset + length - 1} exceed the positional table (max_len={self.pe.size(1)})"
-            )
-        return self.dropout(x + self.pe[:, offset: offset + length].to(x.dtype))
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        check_positions(x, offset, self.d_model, self.max_len)
+        return self.dropout(x + self.pe[:, offset: offset + x.size(1)].to(x.dtype))
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """Learned absolute positions (Table 3 row (E) of the paper): a trainable ``(max_len, d_model)`` table.
+
+    Same interface as ``PositionalEncoding``: ``forward(x, offset=0)`` adds rows ``offset .. offset + length - 1``
+    to ``x`` of shape ``(batch, length, d_model)`` and applies dropout. Positions must stay below ``max_len``.
+    """
+
+    def __init__(self, d_model: int, dropout: float, max_len: int):
+        super().__init__()
+        check_size("d_model", d_model)
+        check_size("max_len", max_len)
+        self.d_model, self.max_len = d_model, max_len
+        self.dropout = nn.Dropout(dropout)
+        self.weight = nn.Parameter(torch.randn(max_len, d_model) * d_model**-0.5)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        check_positions(x, offset, self.d_model, self.max_len)
+        return self.dropout(x + self.weight[offset: offset + x.size(1)].to(x.dtype))
