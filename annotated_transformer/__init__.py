@@ -5,7 +5,7 @@
 
 Each module comes from one chapter:
 
-- ``annotated_transformer.runtime``: Introduction (book/intro.md)
+- ``annotated_transformer.runtime``: The Annotated Transformer (book/intro.md)
 - ``annotated_transformer.attention``: Attention (book/attention.md)
 - ``annotated_transformer.masks``: Masking (book/masking.md)
 - ``annotated_transformer.embeddings``: Embeddings and weight tying (book/embeddings.md)
@@ -15,6 +15,12 @@ Each module comes from one chapter:
 - ``annotated_transformer.encoder``: The encoder (book/encoder.md)
 - ``annotated_transformer.decoder``: The decoder (book/decoder.md)
 - ``annotated_transformer.model``: The full model (book/model.md)
+- ``annotated_transformer.training``: Training (book/training.md)
+- ``annotated_transformer.decoding``: Greedy decoding and the key/value cache (book/decoding.md)
+- ``annotated_transformer.beam_search``: Beam search (book/beam_search.md)
+- ``annotated_transformer.data``: The data: Multi30k and a shared SentencePiece vocabulary (book/data.md)
+- ``annotated_transformer.translation``: Training a German-to-English translator (book/translation.md)
+- ``annotated_transformer.bench``: Performance (book/performance.md)
 - ``annotated_transformer.cli``: Appendix: the command line (book/cli.md)
 - ``annotated_transformer.tangle``: Appendix: how this book builds its package (book/appendix_tangle.md)
 """

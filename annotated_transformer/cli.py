@@ -16,7 +16,19 @@ def add_tangle(subparsers) -> None:
     parser.set_defaults(run=tangle.run)
 
 
-COMMANDS = [add_tangle]
+def add_train(subparsers) -> None:
+    from annotated_transformer.training import add_train as add  # training chapter: imports torch
+
+    add(subparsers)
+
+
+def add_translate(subparsers) -> None:
+    from annotated_transformer.beam_search import add_translate as add  # beam search chapter: imports torch
+
+    add(subparsers)
+
+
+COMMANDS = [add_tangle, add_train, add_translate]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,392 @@
+"""Beam search, the length penalties and the translate command (book/beam_search.md)."""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from annotated_transformer.beam_search import (
+    Hypothesis,
+    TokenIds,
+    beam_search,
+    length_penalty_factor,
+    tokenizer_from_checkpoint,
+    translate_lines,
+)
+from annotated_transformer.cli import main
+from annotated_transformer.decoder import DecoderCache
+from annotated_transformer.decoding import greedy_decode
+from annotated_transformer.masks import padding_mask, subsequent_mask
+from annotated_transformer.model import make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PAD, START, END = 0, 1, 2
+PENALTIES = [("none", 0.0), ("gnmt", 0.6), ("simple", 0.7), ("gnmt", 1.5)]
+
+
+def tiny_model(seed, vocab=5, end_bias=-1.0, norm_first=False):
+    """A random float64 model, biased away from the end symbol so that the search is not trivial."""
+    torch.manual_seed(seed)
+    model = make_model(vocab, vocab, N=2, d_model=16, d_ff=32, h=2, dropout=0.0, norm_first=norm_first)
+    model = model.double().eval()
+    with torch.no_grad():
+        model.generator.proj.bias[END] += end_bias
+    return model
+
+
+SRC = torch.tensor([[3, 4, 4, 3, 1]])
+SRC_MASK = padding_mask(SRC, PAD)
+
+
+def enumerate_outputs(model, src, src_mask, max_len, vocab):
+    """Every output of at most max_len tokens (start included), its length |Y| and log-probability."""
+    others = [v for v in range(vocab) if v != END]
+    outputs = [[START, *mid, END] for n in range(max_len - 1) for mid in itertools.product(others, repeat=n)]
+    outputs += [[START, *mid] for mid in itertools.product(others, repeat=max_len - 1)]
+    lengths = torch.tensor([len(y) - 1 for y in outputs])
+    tgt = torch.tensor([y + [PAD] * (max_len - len(y)) for y in outputs])
+    n = len(outputs)
+    with torch.no_grad():
+        log_probs = model.generator(model(src.expand(n, -1), tgt[:, :-1], src_mask.expand(n, -1, -1),
+                                          subsequent_mask(max_len - 1)))
+    token_lp = log_probs.gather(-1, tgt[:, 1:].unsqueeze(-1)).squeeze(-1)
+    token_lp = token_lp.masked_fill(torch.arange(max_len - 1) >= lengths.unsqueeze(1), 0.0)
+    return tgt, lengths, token_lp.sum(1)
+
+
+def penalised(log_p, lengths, kind, alpha):
+    lp = torch.tensor([length_penalty_factor(n, alpha, kind) for n in lengths.tolist()], dtype=torch.float64)
+    return log_p / lp
+
+
+# --- the length penalty -----------------------------------------------------------------------------------------
+
+def test_length_penalty_values():
+    assert length_penalty_factor(1, 0.6, "gnmt") == 1.0
+    assert length_penalty_factor(7, 0.6, "gnmt") == pytest.approx(2.0 ** 0.6)
+    assert length_penalty_factor(8, 0.7, "simple") == pytest.approx(8 ** 0.7)
+    assert length_penalty_factor(30, 0.6, "none") == 1.0
+    assert length_penalty_factor(30, 0.0, "gnmt") == 1.0
+    with pytest.raises(ValueError, match="length penalty kind"):
+        length_penalty_factor(3, 0.6, "average")
+
+
+# --- equivalences ------------------------------------------------------------------------------------------------
+
+def test_beam_size_one_without_penalty_is_greedy():
+    src = torch.tensor([[3, 4, 4, 3, 1], [4, 3, PAD, PAD, PAD], [3, 3, 3, PAD, PAD]])
+    mask = padding_mask(src, PAD)
+    for seed in range(6):
+        model = tiny_model(seed, end_bias=0.0)
+        greedy, greedy_lp = greedy_decode(model, src, mask, 8, START, END, return_log_probs=True)
+        found = beam_search(model, src, mask, 8, START, END, beam_size=1, penalty="none")
+        for i, (best,) in enumerate(found):
+            tokens = greedy[i]
+            if (tokens == END).any():
+                tokens = tokens[: (tokens == END).nonzero()[0].item() + 1]
+            assert torch.equal(best.tokens, tokens)
+            assert best.score == pytest.approx(greedy_lp[i].sum().item(), abs=1e-12)
+
+
+def test_beam_size_one_without_end_symbol_is_greedy():
+    model = tiny_model(3, vocab=7)
+    src = torch.tensor([[3, 4, 5, 6], [6, 5, PAD, PAD]])
+    mask = padding_mask(src, PAD)
+    greedy, greedy_lp = greedy_decode(model, src, mask, 9, START, return_log_probs=True)
+    found = beam_search(model, src, mask, 9, START, None, beam_size=1)
+    for i, (best,) in enumerate(found):
+        assert torch.equal(best.tokens, greedy[i])
+        assert best.score == pytest.approx(greedy_lp[i].sum().item(), abs=1e-12)
+
+
+@pytest.mark.parametrize("kind,alpha", PENALTIES)
+def test_widest_beam_equals_exhaustive_search(kind, alpha):
+    max_len = 5
+    for seed in range(2):
+        model = tiny_model(seed)
+        outputs, lengths, log_p = enumerate_outputs(model, SRC, SRC_MASK, max_len, vocab=5)
+        assert len(outputs) == 341
+        scores = penalised(log_p, lengths, kind, alpha)
+        best = scores.argmax().item()
+        widths = (1, 2, 4, 16, len(outputs))
+        found = {k: beam_search(model, SRC, SRC_MASK, max_len, START, END, beam_size=k, length_penalty=alpha,
+                                penalty=kind)[0][0] for k in widths}
+        exact = found[len(outputs)]
+        assert torch.equal(exact.tokens, outputs[best, : lengths[best] + 1])
+        assert exact.score == pytest.approx(log_p[best].item(), abs=1e-12)
+        assert exact.penalised == pytest.approx(scores[best].item(), abs=1e-12)
+        for k, hyp in found.items():  # no narrower beam beats the exhaustive one
+            assert hyp.penalised <= exact.penalised + 1e-12, k
+
+
+def test_n_best_of_the_widest_beam_are_the_n_best_outputs():
+    model = tiny_model(0)
+    outputs, lengths, log_p = enumerate_outputs(model, SRC, SRC_MASK, 5, vocab=5)
+    scores = penalised(log_p, lengths, "gnmt", 0.6)
+    top = scores.topk(6)
+    hyps = beam_search(model, SRC, SRC_MASK, 5, START, END, beam_size=len(outputs), n_best=6)[0]
+    assert len(hyps) == 6
+    torch.testing.assert_close(torch.tensor([h.penalised for h in hyps], dtype=torch.float64), top.values,
+                               rtol=0, atol=1e-12)
+    for hyp, index in zip(hyps, top.indices.tolist()):
+        assert torch.equal(hyp.tokens, outputs[index, : lengths[index] + 1])
+
+
+def test_hypotheses_scores_are_the_model_log_probabilities():
+    """Raw scores of returned hypotheses (n-best, narrow beam) equal a teacher-forced rescoring."""
+    model = tiny_model(4, vocab=7, end_bias=-0.5)
+    src = torch.tensor([[3, 4, 5, 6, 3]])
+    mask = padding_mask(src, PAD)
+    for hyp in beam_search(model, src, mask, 8, START, END, beam_size=4, n_best=4)[0]:
+        tgt = hyp.tokens.unsqueeze(0)
+        with torch.no_grad():
+            log_probs = model.generator(model(src, tgt[:, :-1], mask, subsequent_mask(tgt.size(1) - 1)))
+        rescored = log_probs.gather(-1, tgt[:, 1:].unsqueeze(-1)).sum().item()
+        assert hyp.score == pytest.approx(rescored, abs=1e-12)
+        assert hyp.penalised == pytest.approx(hyp.score / length_penalty_factor(tgt.size(1) - 1), abs=1e-12)
+
+
+def test_chosen_length_grows_with_the_penalty():
+    chosen = {kind: [] for kind in ("none", "gnmt", "simple")}
+    for seed in range(8):
+        model = tiny_model(seed)
+        _, lengths, log_p = enumerate_outputs(model, SRC, SRC_MASK, 5, vocab=5)
+        for kind, alpha in (("none", 0.0), ("gnmt", 0.6), ("simple", 0.7)):
+            hyp = beam_search(model, SRC, SRC_MASK, 5, START, END, beam_size=341, length_penalty=alpha,
+                              penalty=kind)[0][0]
+            chosen[kind].append(len(hyp.tokens) - 1)
+    assert all(a <= b <= c for a, b, c in zip(chosen["none"], chosen["gnmt"], chosen["simple"]))
+    assert sum(chosen["none"]) < sum(chosen["simple"])
+
+
+# --- stopping --------------------------------------------------------------------------------------------------
+
+def test_a_finished_hypothesis_can_be_overtaken_and_the_search_waits_for_it():
+    overtaken = 0
+    for seed in range(20):
+        firsts = []
+
+        def record(step, tokens, scores, finished):
+            if finished[0] and not firsts:
+                firsts.append(max(finished[0], key=lambda h: h.penalised))
+
+        result = beam_search(tiny_model(seed), SRC, SRC_MASK, 5, START, END, beam_size=4, on_step=record)[0][0]
+        if firsts and not torch.equal(firsts[0].tokens, result.tokens):
+            assert result.penalised > firsts[0].penalised
+            assert len(result.tokens) > len(firsts[0].tokens)
+            overtaken += 1
+            break
+    assert overtaken > 0
+
+
+def test_search_stops_early_when_no_open_beam_can_win():
+    model = tiny_model(0, end_bias=4.0)  # the end symbol is very likely at the first step
+    steps = []
+    found = beam_search(model, SRC, SRC_MASK, 30, START, END, beam_size=4, penalty="none",
+                        on_step=lambda step, *rest: steps.append(step))[0][0]
+    assert found.tokens.tolist() == [START, END]
+    assert len(steps) < 29
+
+
+def test_on_step_reports_shapes():
+    model = tiny_model(1, vocab=7)
+    src = torch.tensor([[3, 4, 5], [6, 5, PAD]])
+    seen = []
+
+    def record(step, tokens, scores, finished):
+        seen.append((step, tuple(tokens.shape), tuple(scores.shape), len(finished)))
+
+    beam_search(model, src, padding_mask(src, PAD), 6, START, None, beam_size=3, on_step=record)
+    assert seen == [(s, (2, 3, s + 1), (2, 3), 2) for s in range(1, 6)]
+
+
+# --- batches -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_beams_do_not_leak_between_sentences(norm_first):
+    model = tiny_model(1, vocab=7, end_bias=-0.5, norm_first=norm_first)
+    src = torch.tensor([[3, 4, 5, 6, 3, 4], [6, 5, PAD, PAD, PAD, PAD], [4, 4, 6, 3, PAD, PAD]])
+    together = beam_search(model, src, padding_mask(src, PAD), 9, START, END, beam_size=3, n_best=3)
+    for i in range(3):
+        alone_src = src[i:i + 1, : int((src[i] != PAD).sum())]
+        alone = beam_search(model, alone_src, padding_mask(alone_src, PAD), 9, START, END, beam_size=3, n_best=3)[0]
+        assert len(alone) == len(together[i]) == 3
+        for a, t in zip(alone, together[i]):
+            assert torch.equal(a.tokens, t.tokens)
+            assert a.score == pytest.approx(t.score, abs=1e-12)
+
+
+def test_reorder_is_needed():
+    """Without reordering the cache, the full-width search no longer matches the enumeration."""
+    model = tiny_model(0)
+    outputs, lengths, log_p = enumerate_outputs(model, SRC, SRC_MASK, 5, vocab=5)
+    top = penalised(log_p, lengths, "gnmt", 0.6).topk(5).values
+    original = DecoderCache.reorder
+    DecoderCache.reorder = lambda self, index: None
+    try:
+        hyps = beam_search(model, SRC, SRC_MASK, 5, START, END, beam_size=len(outputs), n_best=5)[0]
+    finally:
+        DecoderCache.reorder = original
+    assert not torch.allclose(torch.tensor([h.penalised for h in hyps], dtype=torch.float64), top, atol=1e-9)
+
+
+def test_results_are_sorted_and_typed():
+    model = tiny_model(2, vocab=7, end_bias=0.0)
+    src = torch.tensor([[3, 4, 5], [6, 5, PAD]])
+    for hyps in beam_search(model, src, padding_mask(src, PAD), 8, START, END, beam_size=4, n_best=3):
+        assert len(hyps) == 3 and all(isinstance(h, Hypothesis) for h in hyps)
+        assert [h.penalised for h in hyps] == sorted((h.penalised for h in hyps), reverse=True)
+        for h in hyps:
+            assert h.tokens[0] == START and h.tokens.dtype == torch.long and len(h.tokens) <= 8
+            assert (h.tokens[1:-1] != END).all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(beam_size=0), "n_best"),
+    (dict(beam_size=2, n_best=3), "n_best"),
+    (dict(max_len=1), "max_len"),
+    (dict(length_penalty=-0.5), "alpha"),
+    (dict(penalty="average"), "length penalty kind"),
+])
+def test_bad_arguments_are_refused(kwargs, match):
+    model = tiny_model(0)
+    args = dict(max_len=5, beam_size=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        beam_search(model, SRC, SRC_MASK, args.pop("max_len"), START, END, **args)
+
+
+def test_empty_source_is_refused():
+    model = tiny_model(0)
+    src = torch.zeros((1, 0), dtype=torch.long)
+    with pytest.raises(ValueError, match="src must have shape"):
+        beam_search(model, src, padding_mask(src, PAD), 5, START, END)
+
+
+# --- the tokenizer and the translate command ----------------------------------------------------------------------
+
+def test_token_ids_tokenizer():
+    tok = TokenIds(11)
+    assert tok.encode(" 3  4 5 ") == [1, 3, 4, 5]
+    assert tok.decode([1, 3, 4, 5]) == "3 4 5"
+    assert TokenIds(11, end=2).decode([1, 3, 2, 4]) == "3"
+    assert tok.max_len(4) == 4
+    for bad in ("3 x 5", "3 11", "-1", "0 3"):
+        with pytest.raises(ValueError):
+            tok.encode(bad)
+
+
+def test_tokenizer_from_checkpoint():
+    assert isinstance(tokenizer_from_checkpoint({"config": {"tgt_vocab": 11}, "extra": {}}), TokenIds)
+    assert tokenizer_from_checkpoint({"config": {"tgt_vocab": 11}, "extra": {"task": "copy"}}).vocab == 11
+    with pytest.raises(ValueError, match="no tokenizer"):
+        tokenizer_from_checkpoint({"config": {"tgt_vocab": 11}, "extra": {"task": "klingon"}})
+
+
+def copy_model(vocab=11, seed=0):
+    torch.manual_seed(seed)
+    return make_model(vocab, vocab, N=1, d_model=16, d_ff=32, h=2, dropout=0.0).eval()
+
+
+def test_translate_lines_keeps_order_and_empty_lines():
+    model = copy_model()
+    lines = ["3 4 5", "", "6 7 8 9 10", "   ", "4 4", "3 4 5"]
+    for beam_size in (1, 3):
+        out = translate_lines(model, TokenIds(11), lines, beam_size=beam_size, batch_size=1)
+        assert len(out) == len(lines)
+        assert out[1] == "" and out[3] == ""
+        assert [len(o.split()) for o in out] == [3, 0, 5, 0, 2, 3]
+        assert out[0] == out[5]
+        assert out == translate_lines(model, TokenIds(11), lines, beam_size=beam_size, batch_size=32)
+
+
+def test_translate_lines_greedy_matches_greedy_decode():
+    model = copy_model(seed=1)
+    out = translate_lines(model, TokenIds(11), ["3 9 4 7"], beam_size=1)
+    src = torch.tensor([[1, 3, 9, 4, 7]])
+    expected = greedy_decode(model, src, padding_mask(src, PAD), 5, START)
+    assert out == [" ".join(str(t) for t in expected[0, 1:].tolist())]
+
+
+def test_translate_lines_names_a_bad_line():
+    with pytest.raises(ValueError, match="line 2"):
+        translate_lines(copy_model(), TokenIds(11), ["3 4", "3 x"])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from annotated_transformer.training import save_checkpoint
+
+    model = copy_model()
+    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "copy.pt", model=model, config=model.config,
+                           extra={"task": "copy"})
+
+
+def test_translate_command_from_a_file(checkpoint, tmp_path, capsys):
+    text = tmp_path / "in.txt"
+    text.write_text("3 4 5\n\n7 8\n")
+    assert main(["translate", "--checkpoint", str(checkpoint), "--input", str(text), "--beam-size", "2",
+                 "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[1] == ""
+    assert [len(line.split()) for line in lines] == [3, 0, 2]
+
+
+def test_translate_command_reads_standard_input(checkpoint):
+    result = subprocess.run([sys.executable, "-m", "annotated_transformer", "translate", "--checkpoint",
+                             str(checkpoint), "--beam-size", "1", "--device", "cpu"],
+                            input="3 4 5\n\n", capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1] == "" and len(result.stdout.splitlines()) == 2
+    assert len(result.stdout.splitlines()[0].split()) == 3
+
+
+def test_translate_command_errors(checkpoint, tmp_path, capsys):
+    assert main(["translate", "--checkpoint", str(tmp_path / "missing.pt"), "--device", "cpu"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    text = tmp_path / "bad.txt"
+    text.write_text("3 4\nhello\n")
+    assert main(["translate", "--checkpoint", str(checkpoint), "--input", str(text), "--device", "cpu"]) == 2
+    assert "line 2" in capsys.readouterr().err
+    assert main(["translate", "--checkpoint", str(checkpoint), "--beam-size", "0", "--device", "cpu"]) == 2
+
+
+def test_translate_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["translate", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--checkpoint", "--beam-size", "--input", "--max-len", "--device", "--penalty"):
+        assert option in out
+
+
+# --- CUDA -----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind,alpha", PENALTIES[:3])
+def test_beam_search_on_cuda_equals_cpu_and_exhaustive(kind, alpha):
+    model = tiny_model(0)
+    outputs, lengths, log_p = enumerate_outputs(model, SRC, SRC_MASK, 5, vocab=5)
+    best = penalised(log_p, lengths, kind, alpha).argmax().item()
+    src = torch.tensor([[3, 4, 4, 3, 1], [4, 3, PAD, PAD, PAD]])
+    mask = padding_mask(src, PAD)
+    cpu = beam_search(model, src, mask, 5, START, END, beam_size=341, length_penalty=alpha, penalty=kind, n_best=3)
+    gpu = beam_search(model.cuda(), src.cuda(), mask.cuda(), 5, START, END, beam_size=341, length_penalty=alpha,
+                      penalty=kind, n_best=3)
+    assert torch.equal(gpu[0][0].tokens.cpu(), outputs[best, : lengths[best] + 1])
+    for c_hyps, g_hyps in zip(cpu, gpu):
+        for c, g in zip(c_hyps, g_hyps):
+            assert g.tokens.is_cuda and torch.equal(c.tokens, g.tokens.cpu())
+            assert g.score == pytest.approx(c.score, abs=1e-10)
+
+
+@pytest.mark.cuda
+def test_translate_lines_on_cuda():
+    model = copy_model().double().cuda()
+    lines = ["3 4 5", "", "6 7 8 9 10"]
+    assert translate_lines(model, TokenIds(11), lines, beam_size=3) == \
+        translate_lines(model.cpu(), TokenIds(11), lines, beam_size=3)

@@ -1,0 +1,218 @@
+"""The benchmark module, `python -m annotated_transformer.bench` (book/performance.md).
+
+Timings are never asserted (they are noise on a shared machine); the tests check the command line and its tables,
+the FLOP and MFU arithmetic, the memory measurements, the online softmax and the layers of Table 1.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from annotated_transformer.attention import attention
+from annotated_transformer.bench import (
+    LAYER_KINDS,
+    SECTIONS,
+    TABLES,
+    RestrictedSelfAttention,
+    SelfAttentionCore,
+    TorchTransformer,
+    format_table,
+    largest_tensor_bytes,
+    layer_flops,
+    make_layer,
+    mfu,
+    online_softmax_attention,
+    peak_flops,
+    run_benchmarks,
+    saved_tensor_bytes,
+    time_side_by_side,
+    train_step_flops,
+    training_throughput,
+)
+from annotated_transformer.model import make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def headers(section: str) -> list[str]:
+    return [column[0] for column in TABLES[section][1]]
+
+
+def test_smoke_command_prints_every_table_and_saves_json(tmp_path) -> None:
+    out = tmp_path / "results" / "smoke.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "annotated_transformer.bench", "--smoke", "--device", "cpu", "--threads", "1",
+         "--clock", "cpu", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("device: cpu") and "dtype: float32" in lines[0] and torch.__version__ in lines[0]
+    assert "cpu clock" in lines[0] and "smoke sizes" in lines[0]
+    for section in SECTIONS:
+        title = TABLES[section][0]
+        assert title in lines, section
+        header = lines[lines.index(title) + 1]
+        assert header.split() == " ".join(headers(section)).split(), section
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["smoke"] is True and saved["meta"]["device"] == "cpu"
+    assert saved["meta"]["threads"] == 1 and saved["meta"]["clock"] == "cpu"
+    for section in SECTIONS:
+        assert saved[section], section
+    assert {row["method"] for row in saved["decoding"]} == {"greedy, no cache", "greedy, cache", "beam 4, cache"}
+    assert {row["kind"] for row in saved["layers"]} == set(LAYER_KINDS)
+    row = saved["training"][0]
+    assert row["ours_mfu"] is None and row["torch_mfu"] is None  # no peak is known for a CPU
+    assert row["tokens"] == row["batch"] * row["tgt_len"]
+
+
+def test_command_line_refuses_a_missing_device_and_unknown_sections(capsys) -> None:
+    from annotated_transformer.bench import main
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA is not available"):
+            main(["--smoke", "--device", "cuda"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--only", "nonsense"])
+    assert exit_info.value.code == 2
+    with pytest.raises(ValueError, match="unknown sections"):
+        run_benchmarks("cpu", smoke=True, sections=("training", "speed"))
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit, match="one thread"):
+            main(["--smoke", "--clock", "cpu", "--threads", "2"])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_train_step_flops_is_six_times_weights_times_tokens() -> None:
+    config = dict(N=3, d_model=48, d_ff=96, h=4, src_vocab=50, tgt_vocab=50)
+    model = make_model(**config)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    for batch, length in [(1, 1), (4, 7), (16, 33)]:
+        assert train_step_flops(config, batch, length, length, attention_products=False) == 6 * weights * batch * length
+    # the attention products: Q Kᵀ and the weighted sum, in the encoder, the decoder's self- and cross-attention
+    B, S, T, N, d = 2, 5, 7, 3, 48
+    products = train_step_flops(config, B, S, T) - train_step_flops(config, B, S, T, attention_products=False)
+    assert products == 3 * 2 * B * N * (2 * S * S * d + 2 * T * T * d + 2 * T * S * d)
+    with pytest.raises(ValueError, match="d_ff"):
+        train_step_flops(dict(N=1, d_model=8, tgt_vocab=10), 1, 1, 1)
+
+
+def test_peak_table_and_mfu_arithmetic() -> None:
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756.5e12
+    assert peak_flops("NVIDIA H200") == 989.4e12 and peak_flops("NVIDIA GH200 480GB") == 989.4e12
+    assert peak_flops("NVIDIA A100-SXM4-40GB") == 312e12 and peak_flops("NVIDIA A100 80GB PCIe") == 312e12
+    assert peak_flops("NVIDIA A10") == 125e12 and peak_flops("NVIDIA L4") == 121e12
+    assert peak_flops("NVIDIA L40S") == 362.1e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", torch.float16) == 989.4e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", torch.float32) is None
+    assert peak_flops("NVIDIA GeForce GTX 1080") is None
+    assert mfu(1e12, 1.0, 2e12) == 0.5
+    assert mfu(6e12, 0.02, 1e15) == pytest.approx(0.3)
+    assert mfu(1e12, 1.0, None) is None
+    with pytest.raises(ValueError, match="seconds_per_step"):
+        mfu(1e12, 0.0, 1e15)
+
+
+def test_online_softmax_attention_equals_equation_one() -> None:
+    torch.manual_seed(0)
+    q = torch.randn(3, 2, 9, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 3, 2, 13, 8, dtype=torch.float64).unbind(0)
+    expected, _ = attention(q, k, v)
+    for block in (1, 2, 5, 13, 100):
+        torch.testing.assert_close(online_softmax_attention(q, k, v, block), expected, rtol=0, atol=1e-12)
+    # large scores: the running maximum keeps the exponentials finite
+    big = online_softmax_attention(q * 300, k, v, block_size=4)
+    assert torch.isfinite(big).all()
+    torch.testing.assert_close(big, attention(q * 300, k, v)[0], rtol=0, atol=1e-10)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="block_size"):
+            online_softmax_attention(q, k, v, bad)
+
+
+def test_memory_measurements_match_the_shapes() -> None:
+    q, k, v = torch.randn(3, 2, 4, 64, 16).unbind(0)
+    assert largest_tensor_bytes(lambda: attention(q, k, v)) == 2 * 4 * 64 * 64 * 4
+    assert largest_tensor_bytes(lambda: F.scaled_dot_product_attention(q, k, v)) == 2 * 4 * 64 * 16 * 4
+    assert largest_tensor_bytes(lambda: q.transpose(-2, -1)) == 0
+    x = torch.randn(3, 32, 8, requires_grad=True)
+    assert saved_tensor_bytes(lambda: attention(x, x, x)[0], [x]) == 3 * 32 * 32 * 4
+    w = torch.randn(8, 8, requires_grad=True)
+    assert saved_tensor_bytes(lambda: torch.tanh(x @ w), [x, w]) == 3 * 32 * 8 * 4
+
+
+def test_time_side_by_side_alternates_and_validates() -> None:
+    calls = []
+    times = time_side_by_side({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeat=3, warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert len(times["a"]) == len(times["b"]) == 3 and all(t >= 0 for t in times["a"])
+    with pytest.raises(ValueError, match="repeat"):
+        time_side_by_side({"a": lambda: None}, repeat=0)
+    with pytest.raises(ValueError, match="clock"):
+        time_side_by_side({"a": lambda: None}, clock="sundial")
+    with pytest.raises(ValueError, match="cpu clock"):
+        time_side_by_side({"a": lambda: None}, device="cuda", clock="cpu")
+    spin = lambda: sum(range(200_000))
+    assert all(t > 0 for t in time_side_by_side({"spin": spin}, repeat=2, clock="cpu")["spin"])
+
+
+def test_layers_of_table_one() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 24, 8, dtype=torch.float64)
+    for kind in LAYER_KINDS:
+        assert make_layer(kind, 8, r=6).double()(x).shape == x.shape
+    torch.testing.assert_close(RestrictedSelfAttention(24)(x), SelfAttentionCore()(x))
+    # a block of r positions sees its own block and the two neighbouring ones, nothing further
+    x.requires_grad_(True)
+    RestrictedSelfAttention(4)(x)[0, 12].sum().backward()  # position 12 is in block 3 (positions 12 ... 15)
+    reached = (x.grad[0].abs().sum(-1) > 0).nonzero().flatten().tolist()
+    assert reached == list(range(8, 20))
+    with pytest.raises(ValueError, match="multiple of r"):
+        RestrictedSelfAttention(5)(x)
+    with pytest.raises(ValueError, match="kind"):
+        make_layer("lstm", 8)
+    assert layer_flops("self-attention", 64, 64) == layer_flops("recurrent", 64, 64)
+    assert layer_flops("self-attention", 32, 64) * 2 == layer_flops("recurrent", 32, 64)
+    assert layer_flops("convolutional", 10, 4, batch=3, k=5) == 2 * 3 * 5 * 10 * 16
+
+
+def test_torch_reference_has_the_same_parameters_and_outputs_log_probabilities() -> None:
+    sizes = dict(N=2, d_model=32, d_ff=64, h=4, dropout=0.0)
+    ours, theirs = make_model(60, 60, **sizes), TorchTransformer(60, 60, **sizes).eval()
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    assert theirs.transformer.encoder.norm is None and theirs.transformer.decoder.norm is None
+    src, tgt = torch.randint(1, 60, (3, 7)), torch.randint(1, 60, (3, 5))
+    log_probs = theirs(src, tgt)
+    assert log_probs.shape == (3, 5, 60)
+    torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(3, 5))
+
+
+def test_format_table_marks_missing_values() -> None:
+    text = format_table([dict(a="x", b=None), dict(a="yy", b=2.0)], [("A", "a", "{}"), ("B", "b", "{:.1f}")])
+    assert text.splitlines() == ["A     B", "--  ---", "x   n/a", "yy  2.0"]
+
+
+@pytest.mark.cuda
+def test_gpu_path_bf16_training_mfu_and_memory() -> None:
+    device = torch.device("cuda")
+    row = training_throughput(dict(N=1, d_model=64, d_ff=128, h=4, vocab=500), batch=8, src_len=16, tgt_len=16,
+                              device=device, dtype=torch.bfloat16, steps=2, warmup=1)
+    assert row["ours_ms"] > 0 and row["torch_ms"] > 0
+    if peak_flops(torch.cuda.get_device_name(device)) is not None:
+        assert 0 < row["ours_mfu"] < 1 and 0 < row["torch_mfu"] < 1
+    results = run_benchmarks(device, smoke=True)
+    assert results["meta"]["dtype"] == "bfloat16"
+    for r in results["attention"]:
+        assert r["explicit_peak_bytes"] >= r["scores_bytes"]
+        assert r["fused_peak_bytes"] < r["explicit_peak_bytes"]
+    assert all(r["peak_bytes"] is not None for r in results["layers"])
+    assert math.isfinite(results["training"][0]["ratio"])

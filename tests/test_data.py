@@ -1,0 +1,281 @@
+"""Multi30k loading, the joint SentencePiece tokenizer and batching (book/data.md).
+
+The data come from the folder named by ANNOTATED_TRANSFORMER_DATA (CI sets it; the development machines keep the
+files in ../shared/datasets/multi30k relative to the repository, which is used when the variable is unset). The
+download path is exercised with file:// URLs and a patched urlopen: no network is needed. Tokenizers are trained
+into a temporary cache.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from annotated_transformer import data
+from annotated_transformer.data import (
+    BOS_ID, DATA_ENV, EOS_ID, MULTI30K_FILES, PAD_ID, UNK_ID, EpochBatches, collate, encode_pairs, fetch, load_split,
+    load_tokenizer, normalize, pad_sequences, tokenizer_from_tensor, tokenizer_to_tensor, train_tokenizer,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def data_folder() -> Path | None:
+    folder = os.environ.get(DATA_ENV) or ROOT.parent / "shared" / "datasets" / "multi30k"
+    return Path(folder) if Path(folder, "train.de.gz").exists() else None
+
+
+FOLDER = data_folder()
+needs_data = pytest.mark.skipif(FOLDER is None, reason=f"the Multi30k files are not available (set {DATA_ENV})")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A private cache for the tokenizers of this module; the data come from FOLDER."""
+    folder = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ANNOTATED_TRANSFORMER_CACHE", str(folder))
+        if FOLDER is not None:
+            patch.setenv(DATA_ENV, str(FOLDER))
+        yield folder
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """No local data folder and an empty cache: fetch must download. Returns the cache folder."""
+    monkeypatch.delenv(DATA_ENV, raising=False)
+    monkeypatch.setenv("ANNOTATED_TRANSFORMER_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def files_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+
+
+@pytest.fixture(scope="module")
+def train_pairs(cache):
+    return load_split("train")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cache, train_pairs):
+    return load_tokenizer(train_tokenizer(train_pairs, vocab_size=1000))
+
+
+# ---------------------------------------------------------------- loading
+
+
+@needs_data
+def test_split_sizes_and_contents(cache):
+    sizes = {split: len(load_split(split)) for split in ("train", "valid", "test")}
+    assert sizes == {"train": 29_000, "valid": 1_014, "test": 1_000} == data.SPLIT_SIZES
+    german, english = load_split("train")[0]
+    assert german.startswith("Zwei junge weiße Männer") and english.startswith("Two young, White males")
+    assert all(isinstance(s, str) and s for pair in load_split("test") for s in pair)
+
+
+@needs_data
+def test_local_folder_is_read_and_verified(tmp_path):
+    for name in ("val.de.gz", "val.en.gz"):
+        (tmp_path / name).write_bytes((FOLDER / name).read_bytes())
+    assert fetch("val.de.gz", directory=tmp_path) == tmp_path / "val.de.gz"
+    assert len(load_split("valid", directory=tmp_path)) == 1_014
+
+
+@needs_data
+def test_corrupted_local_file_is_refused(tmp_path):
+    good = (FOLDER / "val.en.gz").read_bytes()
+    (tmp_path / "val.en.gz").write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    with pytest.raises(ValueError, match="SHA-256") as error:
+        fetch("val.en.gz", directory=tmp_path)
+    assert MULTI30K_FILES["val.en.gz"] in str(error.value)
+
+
+def test_missing_file_in_local_folder_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(DATA_ENV, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="train.de.gz is not in") as error:
+        fetch("train.de.gz")
+    assert DATA_ENV in str(error.value)
+
+
+@needs_data
+def test_download_from_a_url_is_verified_and_cached(tmp_path, offline):
+    server = tmp_path / "server"
+    server.mkdir()
+    (server / "test_2016_flickr.en.gz").write_bytes((FOLDER / "test_2016_flickr.en.gz").read_bytes())
+    path = fetch("test_2016_flickr.en.gz", url=server.as_uri() + "/")
+    assert path == offline / "multi30k" / "test_2016_flickr.en.gz"
+    assert files_in(offline) == ["test_2016_flickr.en.gz"]
+    # The second call uses the cache: the URL is not touched.
+    assert fetch("test_2016_flickr.en.gz", url="file:///nowhere/") == path
+
+
+@needs_data
+def test_corrupted_download_writes_nothing(tmp_path, offline):
+    server = tmp_path / "server"
+    server.mkdir()
+    good = (FOLDER / "val.en.gz").read_bytes()
+    (server / "val.en.gz").write_bytes(good[:200] + bytes([good[200] ^ 1]) + good[201:])
+    with pytest.raises(ValueError, match="SHA-256"):
+        fetch("val.en.gz", url=server.as_uri() + "/")
+    assert files_in(offline) == []  # neither val.en.gz nor a .part file
+
+
+def test_offline_message_says_what_to_do(offline, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise urllib.error.URLError("Temporary failure in name resolution")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    with pytest.raises(FileNotFoundError) as error:
+        fetch("train.en.gz")
+    message = str(error.value)
+    assert "train.en.gz" in message and data.MULTI30K_URL in message
+    assert DATA_ENV in message and str(offline / "multi30k") in message
+    assert files_in(offline) == []
+
+
+def test_interrupted_download_leaves_no_partial_file(offline, monkeypatch):
+    class Broken:
+        def __init__(self):
+            self.calls = 0
+
+        def read(self, size):
+            self.calls += 1
+            if self.calls > 2:
+                raise ConnectionResetError("connection reset by peer")
+            return b"x" * size
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: Broken())
+    with pytest.raises(FileNotFoundError, match="could not download val.de.gz"):
+        fetch("val.de.gz")
+    assert files_in(offline) == []
+
+
+def test_bad_names_are_refused():
+    with pytest.raises(ValueError, match="unknown Multi30k file"):
+        fetch("train.fr.gz")
+    with pytest.raises(ValueError, match="split must be one of"):
+        load_split("dev")
+    with pytest.raises(ValueError, match="ending in '/'"):
+        fetch("val.de.gz", url="https://example.org/data")
+
+
+def test_mismatched_line_counts_are_refused(tmp_path, monkeypatch):
+    for name, lines in (("val.de.gz", ["a", "b"]), ("val.en.gz", ["a"])):
+        with gzip.open(tmp_path / name, "wt", encoding="utf-8") as stream:
+            stream.write("\n".join(lines) + "\n")
+    monkeypatch.setattr(data, "verify", lambda path, name: path)  # these are not the real files
+    with pytest.raises(ValueError, match="2 German lines but 1 English lines"):
+        load_split("valid", directory=tmp_path)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+@needs_data
+def test_tokenizer_special_ids_and_round_trip(tokenizer, cache):
+    assert tokenizer.get_piece_size() == 1000
+    assert [tokenizer.pad_id(), tokenizer.unk_id(), tokenizer.bos_id(), tokenizer.eos_id()] == [0, 1, 2, 3]
+    assert (PAD_ID, UNK_ID, BOS_ID, EOS_ID) == (0, 1, 2, 3)
+    test = [side for pair in load_split("test") for side in pair]
+    assert tokenizer.decode(tokenizer.encode(test)) == test  # the test sentences are already normalised
+    valid = [side for pair in load_split("valid") for side in pair]
+    assert tokenizer.decode(tokenizer.encode(valid)) == [normalize(s) for s in valid]
+    assert not any(UNK_ID in ids for ids in tokenizer.encode(test + valid))
+
+
+def test_normalize():
+    assert normalize("  Ein  Hund\u00a0läuft. ") == "Ein Hund läuft."
+    assert normalize("ﬁ") == "fi"  # NFKC
+
+
+@needs_data
+def test_tokenizer_is_cached_by_content_and_settings(tokenizer, train_pairs, cache):
+    path = train_tokenizer(train_pairs, vocab_size=1000)
+    mtime = path.stat().st_mtime_ns
+    assert train_tokenizer(train_pairs, vocab_size=1000) == path and path.stat().st_mtime_ns == mtime
+    assert path.parent == cache / "tokenizers"
+    other = train_tokenizer(train_pairs[:2000], vocab_size=500)
+    assert other != path and "500" in other.name
+
+
+def test_train_tokenizer_refuses_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_tokenizer([("a", "b")], vocab_size=0, directory=tmp_path)
+    with pytest.raises(ValueError, match="model_type"):
+        train_tokenizer([("a", "b")], model_type="wordpiece", directory=tmp_path)
+    with pytest.raises(ValueError, match="at least one sentence pair"):
+        train_tokenizer([], directory=tmp_path)
+    with pytest.raises(FileNotFoundError, match="no SentencePiece model"):
+        load_tokenizer(tmp_path / "missing.model")
+
+
+@needs_data
+def test_tokenizer_survives_a_weights_only_checkpoint(tokenizer, tmp_path):
+    torch.save({"tokenizer": tokenizer_to_tensor(tokenizer)}, tmp_path / "c.pt")
+    restored = tokenizer_from_tensor(torch.load(tmp_path / "c.pt", weights_only=True)["tokenizer"])
+    sentences = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
+    assert restored.encode(sentences) == tokenizer.encode(sentences)
+    with pytest.raises(TypeError, match="uint8"):
+        tokenizer_from_tensor(torch.zeros(3))
+
+
+# ---------------------------------------------------------------- examples and batches
+
+
+@needs_data
+def test_encode_pairs_adds_the_special_symbols(tokenizer):
+    pairs = [("Ein Hund.", "A dog."), ("Zwei Katzen schlafen auf dem Sofa.", "Two cats sleep on the sofa.")]
+    examples = encode_pairs(pairs, tokenizer)
+    for (german, english), (source, target) in zip(pairs, examples):
+        assert source == tokenizer.encode(german) + [EOS_ID]
+        assert target == [BOS_ID] + tokenizer.encode(english) + [EOS_ID]
+    short = encode_pairs(pairs, tokenizer, max_len=len(examples[0][1]))
+    assert short == examples[:1]
+    with pytest.raises(ValueError, match="max_len"):
+        encode_pairs(pairs, tokenizer, max_len=2)
+
+
+def test_pad_and_collate():
+    examples = [([5, 6, EOS_ID], [BOS_ID, 7, EOS_ID]), ([5, EOS_ID], [BOS_ID, 7, 8, 9, EOS_ID])]
+    assert pad_sequences([[1, 2, 3], [4]]).tolist() == [[1, 2, 3], [4, 0, 0]]
+    batch = collate(examples)
+    assert batch.src.tolist() == [[5, 6, EOS_ID], [5, EOS_ID, PAD_ID]]
+    assert batch.tgt.tolist() == [[BOS_ID, 7, EOS_ID, PAD_ID], [BOS_ID, 7, 8, 9]]
+    assert batch.tgt_y.tolist() == [[7, EOS_ID, PAD_ID, PAD_ID], [7, 8, 9, EOS_ID]]
+    assert batch.ntokens == 6
+    assert batch.src_mask.tolist() == [[[True, True, True]], [[True, True, False]]]
+    assert collate(examples, [1]).src.tolist() == [[5, EOS_ID]]
+    with pytest.raises(ValueError, match="at least one"):
+        pad_sequences([])
+
+
+def test_epoch_batches_cover_each_example_once_per_epoch():
+    generator = torch.Generator().manual_seed(1)
+    examples = [([4] * int(n) + [EOS_ID], [BOS_ID] + [5] * int(m) + [EOS_ID])
+                for n, m in torch.randint(1, 30, (500, 2), generator=generator).tolist()]
+    batches = EpochBatches(examples, max_tokens=200, seed=3)
+    n = len(batches)
+    for epoch in (0, 1):
+        seen = sorted(i for b in batches.epoch(epoch) for i in b)
+        assert seen == list(range(len(examples)))
+    assert batches.epoch(0) != batches.epoch(1)  # reshuffled
+    for index in range(2 * n):
+        batch = batches(index)
+        assert batch.src.numel() <= 200 and batch.tgt.size(0) * (batch.tgt.size(1) + 1) <= 200
+    again = EpochBatches(examples, max_tokens=200, seed=3)
+    assert torch.equal(again(n + 5).src, batches(n + 5).src)  # a function of the batch number
+    assert not torch.equal(EpochBatches(examples, 200, seed=4)(0).src, batches(0).src)
+    with pytest.raises(ValueError, match="empty"):
+        EpochBatches([], 100)

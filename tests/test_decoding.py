@@ -1,0 +1,194 @@
+"""Greedy decoding and the key/value cache (book/decoding.md), and the decoding benchmark script."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from annotated_transformer.decoder import DecoderCache
+from annotated_transformer.decoding import greedy_decode
+from annotated_transformer.masks import padding_mask, subsequent_mask
+from annotated_transformer.model import make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PAD, START, END = 0, 1, 2
+
+
+def small_model(seed=0, norm_first=False, end_bias=1.0, vocab=10, dtype=torch.float64, dropout=0.0):
+    torch.manual_seed(seed)
+    model = make_model(vocab, vocab, N=2, d_model=32, d_ff=64, h=4, dropout=dropout, norm_first=norm_first)
+    model = model.to(dtype).eval()
+    with torch.no_grad():
+        model.generator.proj.bias[END] += end_bias
+    return model
+
+
+def padded_batch(device="cpu"):
+    torch.manual_seed(123)
+    src = torch.randint(3, 10, (6, 9))
+    src[1, 4:] = PAD
+    src[3, 2:] = PAD
+    src[5, 7:] = PAD
+    return src.to(device), padding_mask(src, PAD).to(device)
+
+
+def end_positions(tokens):
+    return [(row == END).nonzero()[0].item() if (row == END).any() else None for row in tokens]
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_cache_equals_no_cache_with_padding(norm_first):
+    for seed in range(3):
+        model = small_model(seed, norm_first)
+        src, mask = padded_batch()
+        cached, cached_lp = greedy_decode(model, src, mask, 20, START, END, return_log_probs=True)
+        full, full_lp = greedy_decode(model, src, mask, 20, START, END, use_cache=False, return_log_probs=True)
+        assert torch.equal(cached, full)
+        assert cached_lp.dtype == torch.float64
+        torch.testing.assert_close(cached_lp, full_lp, rtol=0, atol=1e-12)
+
+
+def test_cache_equals_no_cache_without_end_symbol():
+    model = small_model(1, end_bias=0.0)
+    src, mask = padded_batch()
+    cached, cached_lp = greedy_decode(model, src, mask, 16, START, return_log_probs=True)
+    full, full_lp = greedy_decode(model, src, mask, 16, START, use_cache=False, return_log_probs=True)
+    assert cached.shape == (6, 16) and torch.equal(cached, full)
+    torch.testing.assert_close(cached_lp, full_lp, rtol=0, atol=1e-12)
+
+
+def test_each_sentence_stops_at_its_end_symbol():
+    model = small_model(2, end_bias=1.25)
+    src, mask = padded_batch()
+    out, log_probs = greedy_decode(model, src, mask, 25, START, END, return_log_probs=True)
+    ends = end_positions(out)
+    assert out[:, 0].eq(START).all()
+    assert any(e is not None for e in ends)
+    for i, e in enumerate(ends):
+        if e is not None:
+            assert out[i, e:].eq(END).all() and log_probs[i, e:].eq(0).all()
+            assert log_probs[i, : e - 1].lt(0).all()
+    if all(e is not None for e in ends):  # stopped as soon as the last sentence ended
+        assert out.size(1) == max(ends) + 1
+    else:
+        assert out.size(1) == 25
+
+
+def test_decoding_stops_early_when_all_sentences_end():
+    model = small_model(0, end_bias=6.0)  # the end symbol is by far the most likely token
+    src, mask = padded_batch()
+    out = greedy_decode(model, src, mask, 30, START, END)
+    assert out.tolist() == [[START, END]] * 6
+
+
+def test_sentence_alone_equals_sentence_in_padded_batch():
+    model = small_model(3)
+    src, mask = padded_batch()
+    out, log_probs = greedy_decode(model, src, mask, 15, START, END, return_log_probs=True)
+    for i in range(src.size(0)):
+        alone = src[i:i + 1, : int((src[i] != PAD).sum())]
+        tokens, lp = greedy_decode(model, alone, padding_mask(alone, PAD), 15, START, END, return_log_probs=True)
+        assert torch.equal(tokens[0], out[i, : tokens.size(1)])
+        torch.testing.assert_close(lp[0], log_probs[i, : lp.size(1)], rtol=0, atol=1e-12)
+
+
+def test_teacher_forced_replay_reproduces_greedy_choices():
+    model = small_model(4)
+    src, mask = padded_batch()
+    out, log_probs = greedy_decode(model, src, mask, 12, START, END, return_log_probs=True)
+    with torch.no_grad():
+        replay = model.generator(model(src, out[:, :-1], mask, subsequent_mask(out.size(1) - 1)))
+    live = torch.ones_like(out[:, 1:], dtype=torch.bool)
+    for i, e in enumerate(end_positions(out)):
+        if e is not None:
+            live[i, e:] = False
+    assert torch.equal(replay.argmax(-1)[live], out[:, 1:][live])
+    torch.testing.assert_close(replay.max(-1).values[live], log_probs[live], rtol=0, atol=1e-12)
+
+
+def test_cached_step_uses_the_true_position():
+    """Regression test for the cache trap: a new token embedded at position 0 changes the outputs."""
+    model = small_model(5, end_bias=0.0)
+    src, mask = padded_batch()
+    with torch.no_grad():
+        memory = model.encode(src, mask)
+        good, bad = DecoderCache(2), DecoderCache(2)
+        ys = torch.full((6, 1), START)
+        for step in range(4):
+            right = model.decode(memory, mask, ys[:, -1:], None, cache=good)
+            wrong = model.decoder(model.tgt_embed(ys[:, -1:], 0), memory, mask, None, bad)
+            if step == 0:
+                assert torch.equal(right, wrong)
+            else:
+                assert (right - wrong).abs().max() > 1e-3
+            ys = torch.cat([ys, model.generator(right[:, -1]).argmax(-1, keepdim=True)], dim=1)
+    assert len(good) == 4
+
+
+def test_max_len_one_returns_the_start_symbol():
+    model = small_model()
+    src, mask = padded_batch()
+    out, log_probs = greedy_decode(model, src, mask, 1, START, END, return_log_probs=True)
+    assert out.tolist() == [[START]] * 6 and log_probs.shape == (6, 0)
+
+
+@pytest.mark.parametrize("max_len", [0, -3, 2.5, True])
+def test_bad_max_len_is_refused(max_len):
+    model = small_model()
+    src, mask = padded_batch()
+    with pytest.raises(ValueError, match="max_len"):
+        greedy_decode(model, src, mask, max_len, START, END)
+
+
+@pytest.mark.parametrize("src", [torch.tensor([3, 4, 5]), torch.zeros((2, 0), dtype=torch.long)])
+def test_one_dimensional_or_empty_source_is_refused(src):
+    model = small_model()
+    with pytest.raises(ValueError, match="src must have shape"):
+        greedy_decode(model, src, None, 5, START, END)
+
+
+def test_training_mode_dropout_makes_decoding_random_and_eval_fixes_it():
+    model = small_model(dropout=0.3).train()
+    src, mask = padded_batch()
+    torch.manual_seed(0)
+    runs = [greedy_decode(model, src, mask, 10, START, return_log_probs=True)[1] for _ in range(2)]
+    assert not torch.allclose(runs[0], runs[1])
+    model.eval()
+    runs = [greedy_decode(model, src, mask, 10, START, return_log_probs=True)[1] for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_float32_model_gives_float32_log_probs():
+    model = small_model(dtype=torch.float32)
+    src, mask = padded_batch()
+    out, log_probs = greedy_decode(model, src, mask, 6, START, END, return_log_probs=True)
+    assert out.dtype == torch.long and log_probs.dtype == torch.float32
+
+
+def test_benchmark_script_smoke_run():
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "bench_decoding.py"), "--smoke", "--device", "cpu"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("method") and "batch 1 (tok/s)" in line for line in lines)
+    for method in ("greedy, no cache", "greedy, cache", "beam 1", "beam 4", "beam 8"):
+        row = next(line for line in lines if line.startswith(method + " "))
+        rates = [float(x.replace(",", "")) for x in row[len(method):].split()]
+        assert len(rates) == 2 and all(rate > 0 for rate in rates)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_cache_equals_no_cache_on_cuda(norm_first):
+    model = small_model(0, norm_first).cuda()
+    src, mask = padded_batch("cuda")
+    cached, cached_lp = greedy_decode(model, src, mask, 20, START, END, return_log_probs=True)
+    full, full_lp = greedy_decode(model, src, mask, 20, START, END, use_cache=False, return_log_probs=True)
+    assert cached.is_cuda and torch.equal(cached, full)
+    torch.testing.assert_close(cached_lp, full_lp, rtol=0, atol=1e-10)
+    cpu, cpu_lp = greedy_decode(model.cpu(), src.cpu(), mask.cpu(), 20, START, END, return_log_probs=True)
+    assert torch.equal(cpu, cached.cpu())
+    torch.testing.assert_close(cpu_lp, cached_lp.cpu(), rtol=0, atol=1e-10)

@@ -1,0 +1,447 @@
+"""Tests of annotated_transformer.training: batches, label smoothing, the schedule, gradient accumulation,
+checkpoints (atomic, exact resume, averaging), the copy task and the `train` command."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from annotated_transformer import training
+from annotated_transformer.cli import main
+from annotated_transformer.masks import subsequent_mask
+from annotated_transformer.model import make_model
+from annotated_transformer.training import (
+    Batch,
+    LabelSmoothing,
+    average_checkpoints,
+    copy_accuracy,
+    copy_batches,
+    greedy_copy,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    make_optimizer,
+    make_scheduler,
+    model_from_checkpoint,
+    padding_fraction,
+    rate,
+    save_checkpoint,
+    token_batches,
+    train,
+    train_copy_task,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(src_vocab=11, tgt_vocab=11, N=1, d_model=16, d_ff=32, h=2)
+
+
+def tiny_model(seed=0, dropout=0.0, dtype=torch.float32, **overrides):
+    torch.manual_seed(seed)
+    return make_model(**{**TINY, "dropout": dropout, **overrides}).to(dtype)
+
+
+def padded_batches(n, batch_size=6, length=7, vocab=11, seed=0):
+    """Batches whose rows end in different amounts of padding, so micro-batches hold different token counts."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        data = torch.randint(2, vocab, (batch_size, length), generator=generator)
+        data[:, 0] = 1
+        for row in range(batch_size):
+            keep = int(torch.randint(2, length + 1, (1,), generator=generator))
+            data[row, keep:] = 0
+        out.append(Batch(data, data.clone(), pad=0))
+    return out
+
+
+def concatenate(batches):
+    return Batch(torch.cat([b.src for b in batches]), torch.cat([torch.cat([b.tgt, b.tgt_y[:, -1:]], 1)
+                                                                for b in batches]), pad=0)
+
+
+# Batches ----------------------------------------------------------------------------------------------------
+
+def test_batch_shifts_target_and_builds_masks():
+    src = torch.tensor([[1, 5, 6, 0], [1, 7, 0, 0]])
+    tgt = torch.tensor([[1, 8, 9, 2, 0], [1, 3, 2, 0, 0]])
+    batch = Batch(src, tgt, pad=0)
+    assert torch.equal(batch.tgt, tgt[:, :-1]) and torch.equal(batch.tgt_y, tgt[:, 1:])
+    assert batch.src_mask.shape == (2, 1, 4) and batch.src_mask.dtype == torch.bool
+    assert torch.equal(batch.src_mask[:, 0], src != 0)
+    assert batch.tgt_mask.shape == (2, 4, 4)
+    expected = (batch.tgt != 0).unsqueeze(1) & subsequent_mask(4)
+    assert torch.equal(batch.tgt_mask, expected)
+    assert batch.ntokens == 3 + 2
+    only_source = Batch(src)
+    assert only_source.tgt is None and only_source.ntokens == 0
+
+
+def test_batch_select_and_bad_input():
+    batch = padded_batches(1)[0]
+    part = batch.select(slice(1, 3))
+    assert torch.equal(part.src, batch.src[1:3]) and torch.equal(part.tgt_mask, batch.tgt_mask[1:3])
+    assert part.ntokens == int((batch.tgt_y[1:3] != 0).sum())
+    with pytest.raises(ValueError, match="src"):
+        Batch(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="tgt"):
+        Batch(torch.ones(2, 3, dtype=torch.long), torch.ones(3, 3, dtype=torch.long))
+
+
+def test_token_batches_cover_every_example_within_budget():
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 60, (500,), generator=generator).tolist()
+    for bucket in (True, False):
+        batches = token_batches(lengths, 400, bucket=bucket, generator=generator)
+        assert sorted(i for b in batches for i in b) == list(range(500))
+        assert all(len(b) * max(lengths[i] for i in b) <= 400 for b in batches)
+    bucketed = padding_fraction(lengths, token_batches(lengths, 400, generator=generator))
+    shuffled = padding_fraction(lengths, token_batches(lengths, 400, bucket=False, generator=generator))
+    assert bucketed < 0.05 < 0.3 < shuffled
+
+
+def test_token_batches_pairs_and_errors():
+    pairs = [(3, 9), (4, 4), (9, 2), (5, 5)]
+    batches = token_batches(pairs, 10, shuffle=False)
+    for b in batches:
+        assert len(b) * max(pairs[i][0] for i in b) <= 10 and len(b) * max(pairs[i][1] for i in b) <= 10
+    assert sorted(i for b in batches for i in b) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="example 1"):
+        token_batches([3, 11], 10)
+    with pytest.raises(ValueError, match="max_tokens"):
+        token_batches([3], 0)
+
+
+# Label smoothing --------------------------------------------------------------------------------------------
+
+def smoothed(target, size, pad, eps):
+    q = torch.full((len(target), size), eps / (size - 2), dtype=torch.float64)
+    q[torch.arange(len(target)), target] = 1 - eps
+    q[:, pad] = 0
+    q[target == pad] = 0
+    return q
+
+
+def test_label_smoothing_is_kl_to_the_smoothed_distribution():
+    torch.manual_seed(0)
+    V, pad, eps = 7, 0, 0.2
+    log_probs = torch.randn(9, V, dtype=torch.float64).log_softmax(-1)
+    target = torch.tensor([1, 2, 0, 6, 3, 0, 5, 4, 2])
+    q = smoothed(target, V, pad, eps)
+    assert torch.allclose(LabelSmoothing(V, pad, eps).target_distribution(target, torch.float64), q)
+    expected = F.kl_div(log_probs, q, reduction="sum")  # no -inf here, so PyTorch's own KL is finite
+    assert torch.allclose(LabelSmoothing(V, pad, eps)(log_probs, target), expected, atol=1e-12)
+    rows = target != pad
+    assert torch.allclose(q[rows].sum(1), torch.ones(int(rows.sum()), dtype=torch.float64))
+    assert q[~rows].abs().sum() == 0 and q[:, pad].abs().sum() == 0
+
+
+def test_label_smoothing_without_smoothing_is_nll():
+    torch.manual_seed(1)
+    log_probs = torch.randn(6, 5, dtype=torch.float64).log_softmax(-1)
+    target = torch.tensor([1, 0, 4, 2, 0, 3])
+    expected = F.nll_loss(log_probs, target, ignore_index=0, reduction="sum")
+    assert torch.allclose(LabelSmoothing(5, 0, 0.0)(log_probs, target), expected, atol=1e-12)
+
+
+def test_label_smoothing_is_finite_where_the_2022_demo_was_not():
+    # The 2022 demo: predictions with probability 0 on the padding column, passed through .log().
+    crit = LabelSmoothing(5, 0, 0.1)
+    for x in range(1, 100):
+        d = x + 3
+        predict = torch.tensor([[0, x / d, 1 / d, 1 / d, 1 / d]], requires_grad=True)
+        loss = crit(predict.log(), torch.tensor([1]))
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(predict.grad[:, 1:]).all()
+    old = torch.nn.KLDivLoss(reduction="sum")(predict.log(), crit.target_distribution(torch.tensor([1])))
+    assert not torch.isfinite(old)  # what the 2022 code computed
+
+
+def test_label_smoothing_versus_cross_entropy_label_smoothing():
+    torch.manual_seed(2)
+    V, pad, eps = 8, 0, 0.1
+    logits = torch.randn(10, V, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(1, V, (10,))
+    ours = LabelSmoothing(V, pad, eps)(logits.log_softmax(-1), target)
+    (ours_grad,) = torch.autograd.grad(ours, logits)
+    theirs = F.cross_entropy(logits, target, label_smoothing=eps, reduction="sum", ignore_index=pad)
+    (theirs_grad,) = torch.autograd.grad(theirs, logits)
+    p = logits.detach().softmax(-1)
+    q = smoothed(target, V, pad, eps)
+    q_uniform = (1 - eps) * F.one_hot(target, V).double() + eps / V  # PyTorch's: all V classes, padding too
+    # Each is the cross-entropy against its target distribution; ours subtracts that distribution's entropy.
+    entropy = -torch.xlogy(q, q).sum()
+    assert torch.allclose(ours + entropy, -(q * logits.log_softmax(-1)).sum())
+    assert torch.allclose(theirs, -(q_uniform * logits.log_softmax(-1)).sum())
+    # Gradients with respect to the logits are p - target distribution: different targets.
+    assert torch.allclose(ours_grad, p - q) and torch.allclose(theirs_grad, p - q_uniform)
+    assert (ours_grad - theirs_grad).abs().max() > 1e-3
+
+
+def test_label_smoothing_bad_arguments():
+    with pytest.raises(ValueError, match="size"):
+        LabelSmoothing(2, 0, 0.1)
+    with pytest.raises(ValueError, match="padding_idx"):
+        LabelSmoothing(5, 5, 0.1)
+    with pytest.raises(ValueError, match="smoothing"):
+        LabelSmoothing(5, 0, 1.0)
+    with pytest.raises(ValueError, match=r"log_probs must have shape \(N, 5\)"):
+        LabelSmoothing(5, 0, 0.1)(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="target"):
+        LabelSmoothing(5, 0, 0.1)(torch.zeros(3, 5), torch.zeros(2, dtype=torch.long))
+
+
+# The schedule -----------------------------------------------------------------------------------------------
+
+def test_rate_matches_the_formula_and_peaks_at_warmup():
+    for d, warmup in ((512, 4000), (256, 4000), (512, 8000)):
+        steps = range(1, 3 * warmup)
+        rates = [rate(s, d, 1.0, warmup) for s in steps]
+        for s in (1, 10, warmup // 2, warmup, 2 * warmup):
+            assert math.isclose(rate(s, d, 2.0, warmup), 2.0 * d ** -0.5 * min(s ** -0.5, s * warmup ** -1.5))
+        assert max(range(len(rates)), key=rates.__getitem__) + 1 == warmup
+        assert math.isclose(max(rates), (d * warmup) ** -0.5)
+    assert rate(0, 512, 1.0, 4000) == rate(1, 512, 1.0, 4000)
+    with pytest.raises(ValueError, match="step"):
+        rate(-1, 512, 1.0, 4000)
+    with pytest.raises(ValueError, match="warmup"):
+        rate(1, 512, 1.0, 0)
+
+
+def test_scheduler_gives_rate_k_to_the_kth_step():
+    model = torch.nn.Linear(2, 2)
+    optimizer = make_optimizer(model)
+    assert optimizer.defaults["betas"] == (0.9, 0.98) and optimizer.defaults["eps"] == 1e-9
+    scheduler = make_scheduler(optimizer, 64, factor=2.0, warmup=10)
+    for k in range(1, 30):
+        assert math.isclose(optimizer.param_groups[0]["lr"], rate(k, 64, 2.0, 10))
+        optimizer.step()
+        scheduler.step()
+
+
+# Gradient accumulation --------------------------------------------------------------------------------------
+
+def test_accumulation_equals_one_large_batch():
+    micro = padded_batches(6, batch_size=4)
+    assert len({b.ntokens for b in micro}) > 1  # micro-batches of different sizes: tokens must be counted
+    big = [concatenate(micro[0:3]), concatenate(micro[3:6])]
+    results = []
+    for batches, k in ((micro, 3), (big, 1)):
+        model = tiny_model(dtype=torch.float64)
+        # Plain SGD: the update is the gradient times the rate, so equal updates mean equal gradients. (Adam
+        # divides by the gradient's size, which blows rounding noise in gradients that are zero in theory,
+        # such as those of the attention's key biases, up to full-size steps.)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = make_scheduler(optimizer, 16, warmup=4)
+        history = train(model, batches, steps=2, optimizer=optimizer, scheduler=scheduler,
+                        loss_fn=LabelSmoothing(11, 0, 0.1), accumulation_steps=k, progress=False)
+        assert scheduler.last_epoch == 2  # stepped once per optimiser step, not per micro-batch
+        results.append((model.state_dict(), history))
+    (state_a, history_a), (state_b, history_b) = results
+    for key in state_a:
+        assert torch.allclose(state_a[key], state_b[key], rtol=0, atol=1e-12), key
+    assert history_a["tokens"] == history_b["tokens"]
+    assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(history_a["loss"], history_b["loss"]))
+
+
+def test_train_rejects_bad_arguments(tmp_path):
+    model = tiny_model()
+    optimizer = make_optimizer(model)
+    kwargs = dict(optimizer=optimizer, loss_fn=LabelSmoothing(11, 0, 0.0), progress=False)
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        train(model, padded_batches(1), steps=1, accumulation_steps=0, **kwargs)
+    with pytest.raises(ValueError, match="steps"):
+        train(model, padded_batches(1), steps=-1, **kwargs)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(model, padded_batches(1), steps=1, checkpoint_dir=tmp_path, resume=True, **kwargs)
+
+
+# Checkpoints ------------------------------------------------------------------------------------------------
+
+def copy_data(seed=0, batch_size=8, seq_len=6):
+    def batch(index):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        return next(copy_batches(11, batch_size, seq_len, 1, generator=generator))
+    return batch
+
+
+def run(steps, checkpoint_dir=None, resume=False, crash_at=None, seed=0):
+    model = tiny_model(seed=seed, dropout=0.1)  # dropout: the random number generators must be restored too
+    optimizer = make_optimizer(model)
+    scheduler = make_scheduler(optimizer, 16, warmup=3)
+    data = copy_data()
+
+    def batches(index):
+        if crash_at is not None and index == crash_at:
+            raise KeyboardInterrupt("simulated crash")
+        return data(index)
+
+    history = train(model, batches, steps=steps, optimizer=optimizer, scheduler=scheduler,
+                    loss_fn=LabelSmoothing(11, 0, 0.1), accumulation_steps=2, checkpoint_dir=checkpoint_dir,
+                    checkpoint_every=2, resume=resume, progress=False)
+    return model, history
+
+
+def test_resume_after_a_crash_is_bit_for_bit(tmp_path):
+    torch.manual_seed(123)
+    reference, reference_history = run(6)
+    torch.manual_seed(123)
+    with pytest.raises(KeyboardInterrupt):
+        run(6, tmp_path, crash_at=2 * 5)  # dies during step 6, after the checkpoints of steps 2 and 4
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002.pt", "step_00000004.pt"]
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+    torch.manual_seed(999)  # a different state: the checkpoint must restore everything that matters
+    resumed, resumed_history = run(6, tmp_path, resume=True, seed=7)
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert resumed_history == reference_history
+    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 6
+
+
+def test_checkpoint_contents_and_weights_only(tmp_path):
+    model = tiny_model()
+    optimizer = make_optimizer(model)
+    scheduler = make_scheduler(optimizer, 16)
+    path = save_checkpoint(tmp_path / "a.pt", model=model, optimizer=optimizer, scheduler=scheduler, step=3)
+    checkpoint = load_checkpoint(path)
+    assert checkpoint["step"] == 3 and checkpoint["config"] == model.config
+    assert set(checkpoint["rng"][0]) >= {"python", "torch"}
+    torch.save({"format": 1, "payload": Path("x")}, tmp_path / "evil.pt")  # an arbitrary object: refused
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        load_checkpoint(tmp_path / "evil.pt")
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    model = tiny_model()
+    path = save_checkpoint(tmp_path / "c.pt", model=model)
+    before = path.read_bytes()
+
+    def broken_save(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, model=tiny_model(seed=1))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
+
+
+def test_model_from_checkpoint_and_other_configuration(tmp_path):
+    model = tiny_model(seed=3).eval()
+    path = save_checkpoint(tmp_path / "m.pt", model=model)
+    rebuilt, checkpoint = model_from_checkpoint(path, device="cpu")
+    assert not rebuilt.training and rebuilt.config == model.config
+    src = torch.tensor([[1, 4, 5, 6]])
+    batch = Batch(src, src.clone())
+    with torch.no_grad():
+        a = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+        b = rebuilt(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+    assert torch.equal(a, b)
+    other = tiny_model(d_model=32, h=4)
+    with pytest.raises(ValueError, match=r"d_model \(checkpoint 16, model 32\)"):
+        training.load_model_state(other, checkpoint)
+    optimizer = make_optimizer(other)
+    with pytest.raises(ValueError, match=r"d_model \(checkpoint 16, model 32\), h \(checkpoint 2, model 4\)"):
+        train(other, padded_batches(1), steps=1, optimizer=optimizer, loss_fn=LabelSmoothing(11, 0, 0.0),
+              resume=path, progress=False)
+
+
+def test_average_checkpoints(tmp_path):
+    models = [tiny_model(seed=s) for s in range(3)]
+    paths = [save_checkpoint(tmp_path / f"{s}.pt", model=m) for s, m in enumerate(models)]
+    average = average_checkpoints(paths)
+    for key, value in average.items():
+        expected = sum(m.state_dict()[key].double() for m in models) / 3
+        assert value.dtype == models[0].state_dict()[key].dtype
+        assert torch.allclose(value.double(), expected, atol=1e-7), key
+    model = tiny_model()
+    model.load_state_dict(average)
+    assert all(torch.equal(a, b) for a, b in zip(average_checkpoints(paths[:1]).values(),
+                                                 models[0].state_dict().values()))
+    odd = save_checkpoint(tmp_path / "odd.pt", model=tiny_model(d_model=32, h=4))
+    with pytest.raises(ValueError, match="d_model"):
+        average_checkpoints([paths[0], odd])
+    with pytest.raises(ValueError, match="paths"):
+        average_checkpoints([])
+
+
+# The copy task ----------------------------------------------------------------------------------------------
+
+def test_copy_batches():
+    generator = torch.Generator().manual_seed(0)
+    batches = list(copy_batches(11, 5, 8, 3, generator=generator))
+    assert len(batches) == 3
+    for batch in batches:
+        assert torch.equal(batch.src[:, 1:], batch.tgt_y) and (batch.src[:, 0] == 1).all()
+        assert batch.src[:, 1:].min() >= 2 and batch.src.max() <= 10 and batch.ntokens == 5 * 7
+    with pytest.raises(ValueError, match="vocab"):
+        next(copy_batches(2, 1, 3, 1))
+
+
+def test_greedy_copy_starts_with_the_start_symbol():
+    model = tiny_model().eval()
+    src = torch.tensor([[1, 3, 4, 5], [1, 6, 7, 8]])
+    out = greedy_copy(model, src, start=1)
+    assert out.shape == (2, 4) and (out[:, 0] == 1).all()
+
+
+def test_copy_task_loss_falls():
+    # The full run (at least 99% exact match) is in the chapter; here only a few steps of a tiny model.
+    model, history = train_copy_task(steps=40, d_model=16, d_ff=32, h=2, batch_size=32, warmup=10, factor=1.0,
+                                     device="cpu", progress=False, profile="quick")
+    assert len(history["loss"]) == 40 and not model.training
+    assert sum(history["loss"][-5:]) / 5 < sum(history["loss"][:5]) / 5 - 0.2
+    assert isinstance(copy_accuracy(model, vocab=11, seq_len=10, n=50), float)
+
+
+@pytest.mark.cuda
+def test_bf16_autocast_trains_the_copy_task_on_cuda():
+    torch.manual_seed(0)
+    model = make_model(11, 11, N=2, d_model=32, d_ff=64, h=4, dropout=0.0).cuda()
+    dtypes = set()
+    model.generator.proj.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
+    optimizer = make_optimizer(model)
+    scheduler = make_scheduler(optimizer, 32, factor=0.5, warmup=100)
+    history = train(model, copy_data(batch_size=128, seq_len=10), steps=600, optimizer=optimizer,
+                    scheduler=scheduler, loss_fn=LabelSmoothing(11, 0, 0.0), device="cuda",
+                    progress=False)  # amp: on by default on CUDA
+    assert dtypes == {torch.bfloat16}  # the forward pass ran under bfloat16 autocast
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the weights stayed float32
+    assert history["loss"][-1] < 0.1
+    assert copy_accuracy(model, vocab=11, seq_len=10) >= 0.95
+
+
+# The command line -------------------------------------------------------------------------------------------
+
+def test_train_command_and_resume(tmp_path, capsys):
+    args = ["train", "--task", "copy", "--profile", "quick", "--steps", "3", "--d-model", "16", "--layers", "1",
+            "--batch-size", "8", "--device", "cpu", "--checkpoint-dir", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    assert "copy exact-match" in capsys.readouterr().out
+    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 3
+    args[args.index("--steps") + 1] = "5"
+    assert main(args + ["--resume"]) == 0
+    checkpoint = load_checkpoint(latest_checkpoint(tmp_path))
+    assert checkpoint["step"] == 5 and checkpoint["extra"]["history"]["step"] == [1, 2, 3, 4, 5]
+    assert main(["train", "--resume", "--steps", "1", "--no-progress"]) == 2  # --resume needs --checkpoint-dir
+
+
+def test_train_help_documents_every_option():
+    result = subprocess.run([sys.executable, "-m", "annotated_transformer", "train", "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    from annotated_transformer.cli import build_parser
+    parser = build_parser()
+    train_parser = parser._subparsers._group_actions[0].choices["train"]
+    for action in train_parser._actions:
+        assert action.help, action.dest
+        for option in action.option_strings:
+            assert option in result.stdout, option

@@ -1,0 +1,278 @@
+"""Training, evaluating and using a Multi30k translator (book/translation.md).
+
+A tiny end-to-end run (a few dozen steps of a 32-wide model on a slice of the data, on the CPU) goes through the
+whole pipeline once per module: train, average, evaluate, write the results, reload, translate, and the `evaluate`
+command. Resuming is checked against an uninterrupted run. The data come from ANNOTATED_TRANSFORMER_DATA (or
+../shared/datasets/multi30k relative to the repository); tokenizers go to a temporary cache.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from annotated_transformer import training
+from annotated_transformer.data import BOS_ID, DATA_ENV, EOS_ID
+from annotated_transformer.model import make_model
+from annotated_transformer.training import save_checkpoint
+from annotated_transformer.translation import (
+    PROFILES, SentencePieces, add_evaluate, add_train_options, bleu, checkpoint_tokenizer, config_from_args,
+    load_translator, run_experiment, run_train, strip_special, thin, train_translator, translate, translate_ids, translation_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDER = Path(os.environ.get(DATA_ENV) or ROOT.parent / "shared" / "datasets" / "multi30k")
+pytestmark = pytest.mark.skipif(not (FOLDER / "train.de.gz").exists(),
+                                reason=f"the Multi30k files are not available (set {DATA_ENV})")
+
+TINY = dict(vocab_size=500, train_limit=3000, max_len=20, N=1, d_model=32, d_ff=64, h=2, dropout=0.0,
+            max_tokens=600, steps=30, warmup=10, factor=0.5, checkpoint_every=5, average=2, eval_every=10,
+            valid_limit=40, test_limit=12, beam_size=2)
+
+
+@pytest.fixture(scope="module")
+def environment(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ANNOTATED_TRANSFORMER_CACHE", str(cache))
+        patch.setenv(DATA_ENV, str(FOLDER))
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def run(environment, tmp_path_factory):
+    """One tiny end-to-end run: (results, trained, checkpoint folder, results file)."""
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("run")
+    results_file = folder / "results.json"
+    config = translation_config("quick", **TINY)
+    results, trained = run_experiment(config, folder / "checkpoints", results_path=results_file, device="cpu",
+                                      progress=False, log=lambda message: None)
+    return results, trained, folder / "checkpoints", results_file
+
+
+def test_config_profiles_and_overrides():
+    quick, full = translation_config("quick"), translation_config("full")
+    assert quick["profile"] == "quick" and full["profile"] == "full"
+    assert full["d_model"] == 512 and full["N"] == 3 and full["vocab_size"] == 8000 and full["smoothing"] == 0.1
+    assert set(PROFILES["quick"]) == set(PROFILES["full"])
+    assert translation_config("quick", steps=7, N=None)["steps"] == 7  # None keeps the profile's value
+    with pytest.raises(ValueError, match="unknown setting 'layers'"):
+        translation_config("quick", layers=2)
+    with pytest.raises(ValueError, match="multiple of checkpoint_every"):
+        translation_config("quick", eval_every=30, checkpoint_every=20)
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        translation_config("quick", steps=0)
+    with pytest.raises(ValueError, match="dropout"):
+        translation_config("quick", dropout=1.5)
+
+
+def test_end_to_end_results(run):
+    results, trained, folder, results_file = run
+    assert results["profile"] == "quick" and "steps" in results["changed"]
+    assert results["test"]["greedy"]["sentences"] == results["test"]["beam"]["sentences"] == 12
+    for scores in (results["test"]["greedy"], results["test"]["beam"]):
+        assert 0.0 <= scores["bleu"] <= scores["bleu_lowercase"] <= 100.0
+        assert "case:mixed" in scores["signature"] and "tok:13a" in scores["signature"]
+        assert "case:lc" in scores["signature_lowercase"]
+        assert len(scores["hypotheses"]) == 12
+    assert results["test"]["beam"]["beam_size"] == 2 and results["test"]["greedy"]["length_penalty"] is None
+    assert results["valid"]["step"] == [10, 20, 30]
+    assert results["valid"]["loss"][-1] < results["valid"]["loss"][0]
+    assert trained["history"]["step"] == list(range(1, 31))
+    assert trained["averaged"] == ["step_00000025.pt", "step_00000030.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "average.pt", "step_00000025.pt", "step_00000030.pt", "tokenizer.model", "valid.json"]
+    written = json.loads(results_file.read_text())
+    assert written["config"]["d_model"] == 32 and written["device"].startswith("cpu")
+    assert "hypotheses" not in written["test"]["greedy"] and len(written["examples"]) == 5
+    assert written["test"]["beam"]["bleu"] == results["test"]["beam"]["bleu"]
+
+
+def test_averaged_checkpoint_is_the_mean_of_the_last_ones(run):
+    _, trained, folder, _ = run
+    a = torch.load(folder / "step_00000025.pt", weights_only=True)["model"]
+    b = torch.load(folder / "step_00000030.pt", weights_only=True)["model"]
+    averaged = torch.load(folder / "average.pt", weights_only=True)
+    for key, value in averaged["model"].items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, (a[key] + b[key]) / 2)
+    assert averaged["extra"]["task"] == "multi30k" and averaged["extra"]["tokenizer"].dtype == torch.uint8
+
+
+def test_checkpoint_translates_on_its_own(run):
+    _, trained, folder, _ = run
+    sentences = ["Ein Hund läuft über eine Wiese.", "Zwei Männer spielen Fußball."]
+    expected = translate(trained["model"], trained["tokenizer"], sentences)
+    model, tokenizer, checkpoint = load_translator(folder / "average.pt", device="cpu")
+    assert translate(model, tokenizer, sentences) == expected
+    assert all(isinstance(s, str) for s in expected)
+    # The intermediate checkpoints find the tokenizer beside them.
+    model, tokenizer, _ = load_translator(folder / "step_00000030.pt", device="cpu")
+    assert tokenizer.get_piece_size() == 500
+
+
+def test_translate_refuses_bad_input(run):
+    _, trained, _, _ = run
+    with pytest.raises(ValueError, match="sentence 1 is empty"):
+        translate(trained["model"], trained["tokenizer"], ["Ein Hund.", "  "])
+    with pytest.raises(TypeError, match="must be strings"):
+        translate(trained["model"], trained["tokenizer"], [3])
+
+
+def test_translate_ids_returns_pieces_without_special_symbols(run):
+    _, trained, _, _ = run
+    sentences = ["Eine Frau liest ein Buch auf einer Bank im Park.", "Ein Hund.", "Zwei Kinder spielen.",
+                 "Ein Mann in einem roten Hemd fährt mit dem Fahrrad durch die Stadt."]
+    sources = [ids + [EOS_ID] for ids in trained["tokenizer"].encode(sentences)]
+    for beam_size in (1, 2):
+        batched = translate_ids(trained["model"], sources, beam_size=beam_size, batch_size=3)
+        assert all(EOS_ID not in ids and BOS_ID not in ids for ids in batched)
+        # Sorting by length into batches does not change the results or their order.
+        assert batched == [translate_ids(trained["model"], [source], beam_size=beam_size)[0] for source in sources]
+
+
+def test_translate_command_interface_matches_translate(run, tmp_path, monkeypatch, capsys):
+    """The beam search chapter's translate_lines and `translate` command, with this chapter's tokenizer interface."""
+    from annotated_transformer import beam_search
+    from annotated_transformer.cli import main
+
+    _, trained, folder, _ = run
+    sentences = ["Ein Hund läuft über eine Wiese.", "Zwei Männer spielen Fußball.", "Eine Frau liest."]
+    checkpoint = torch.load(folder / "average.pt", weights_only=True)
+    pieces = checkpoint_tokenizer(checkpoint)
+    assert isinstance(pieces, SentencePieces) and pieces.encode("Ein Hund.")[-1] == EOS_ID
+    for beam_size in (1, 2):
+        expected = translate(trained["model"], trained["tokenizer"], sentences, beam_size=beam_size)
+        lines = beam_search.translate_lines(trained["model"], pieces, sentences, beam_size=beam_size)
+        assert lines == expected
+    monkeypatch.setitem(beam_search.TOKENIZERS, "multi30k", checkpoint_tokenizer)
+    (tmp_path / "de.txt").write_text("\n".join(sentences[:2] + [""] + sentences[2:]) + "\n", encoding="utf-8")
+    code = main(["translate", "--checkpoint", str(folder / "average.pt"), "--input", str(tmp_path / "de.txt"),
+                 "--beam-size", "2", "--device", "cpu"])
+    assert code == 0
+    assert capsys.readouterr().out.splitlines() == expected[:2] + [""] + expected[2:]
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        checkpoint_tokenizer(torch.load(folder / "step_00000030.pt", weights_only=True))
+
+
+def test_load_translator_refuses_a_checkpoint_without_tokenizer(tmp_path):
+    model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    save_checkpoint(tmp_path / "copy.pt", model=model)
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        load_translator(tmp_path / "copy.pt", device="cpu")
+
+
+def test_resume_continues_exactly(environment, tmp_path):
+    torch.set_num_threads(1)
+    quiet = dict(device="cpu", progress=False, log=lambda message: None)
+    settings = dict(TINY, steps=20, test_limit=None)
+    whole = train_translator(translation_config("quick", **settings), tmp_path / "whole", **quiet)
+    train_translator(translation_config("quick", **dict(settings, steps=10)), tmp_path / "parts", **quiet)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        train_translator(translation_config("quick", **settings), tmp_path / "parts", **quiet)
+    resumed = train_translator(translation_config("quick", **settings), tmp_path / "parts", resume=True, **quiet)
+    for key, value in whole["model"].state_dict().items():
+        torch.testing.assert_close(resumed["model"].state_dict()[key], value, rtol=0, atol=0)
+    assert resumed["history"]["loss"] == whole["history"]["loss"]
+    assert resumed["valid"]["step"] == [10, 20]
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        train_translator(translation_config("quick", **settings), tmp_path / "empty", resume=True, **quiet)
+
+
+def test_bleu():
+    references = ["A dog runs in the park.", "Two men are talking."]
+    perfect, signature = bleu(references, references)
+    assert perfect.score == pytest.approx(100.0) and "case:mixed" in signature
+    shouting = [r.upper() for r in references]
+    assert bleu(shouting, references)[0].score < 10
+    lower, lower_signature = bleu(shouting, references, lowercase=True)
+    assert lower.score == pytest.approx(100.0) and "case:lc" in lower_signature
+    with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
+        bleu(references, references[:1])
+
+
+def test_strip_special_and_thin():
+    assert strip_special([BOS_ID, 7, 8, EOS_ID, EOS_ID]) == [7, 8]
+    assert strip_special([BOS_ID, 7, 8]) == [7, 8]
+    history = {"step": list(range(1, 1001)), "loss": [float(i) for i in range(1000)]}
+    small = thin(history, points=100)
+    assert len(small["step"]) == len(small["loss"]) == 100 and small["step"][-1] == 1000
+    assert small["loss"][0] == pytest.approx(4.5)
+
+
+def parser_as_wired(monkeypatch) -> argparse.ArgumentParser:
+    """The command line as the CLI chapter is asked to wire it: train (copy, multi30k) and evaluate."""
+    if "multi30k" not in training.TASKS:
+        monkeypatch.setattr(training, "TASKS", [*training.TASKS, "multi30k"])
+    parser = argparse.ArgumentParser(prog="python -m annotated_transformer")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    training.add_train(subparsers)
+    add_train_options(subparsers.choices["train"])
+    add_evaluate(subparsers)
+    return parser
+
+
+def test_command_line_train_and_evaluate(environment, tmp_path, monkeypatch, capsys):
+    torch.set_num_threads(1)
+    parser = parser_as_wired(monkeypatch)
+    options = ["--vocab-size", "500", "--train-limit", "2000", "--max-len", "20", "--layers", "1", "--d-model", "32",
+               "--d-ff", "64", "--heads", "2", "--max-tokens", "600", "--steps", "10", "--warmup", "5",
+               "--checkpoint-every", "5", "--eval-every", "10", "--average", "2", "--valid-limit", "20",
+               "--test-limit", "8", "--beam-size", "2", "--smoothing", "0.1", "--no-progress"]
+    args = parser.parse_args(["train", "--task", "multi30k", "--profile", "quick", *options,
+                              "--checkpoint-dir", str(tmp_path / "run"), "--results", str(tmp_path / "r.json")])
+    assert config_from_args(args)["N"] == 1 and config_from_args(args)["smoothing"] == 0.1
+    assert run_train(args) == 0
+    out = capsys.readouterr().out
+    assert "test2016 BLEU (greedy)" in out and "nrefs:1|case:mixed" in out and "average.pt" in out
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["steps"] == 10
+
+    args = parser.parse_args(["evaluate", "--checkpoint", str(tmp_path / "run" / "average.pt"), "--split", "valid",
+                              "--limit", "8", "--beam-size", "2", "--device", "cpu",
+                              "--output", str(tmp_path / "hyp.txt")])
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    assert "valid (8 sentences, beam 2, alpha 0.6): BLEU" in out and "case:lc" in out
+    assert len((tmp_path / "hyp.txt").read_text().splitlines()) == 8
+
+    no_folder = parser.parse_args(["train", "--task", "multi30k", *options])
+    with pytest.raises(ValueError, match="needs --checkpoint-dir"):
+        run_train(no_folder)
+    sentences = parser.parse_args(["train", "--task", "multi30k", "--batch-size", "32", *options,
+                                   "--checkpoint-dir", str(tmp_path / "other")])
+    with pytest.raises(ValueError, match="use --max-tokens"):
+        run_train(sentences)
+
+
+def test_python_dash_m_where_wired(environment, tmp_path, capsys):
+    """Through `python -m annotated_transformer`, once the CLI chapter registers evaluate and the multi30k task."""
+    from annotated_transformer.cli import build_parser
+
+    parser = build_parser()
+    try:
+        parser.parse_args(["evaluate", "--checkpoint", "x.pt"])
+        parser.parse_args(["train", "--task", "multi30k", "--max-tokens", "600"])
+    except SystemExit:
+        pytest.skip("the CLI does not register `evaluate` and `train --task multi30k` yet")
+    command = [sys.executable, "-m", "annotated_transformer", "train", "--task", "multi30k", "--profile", "quick",
+               "--vocab-size", "500", "--train-limit", "2000", "--max-len", "20", "--layers", "1", "--d-model", "32",
+               "--d-ff", "64", "--heads", "2", "--max-tokens", "600", "--steps", "10", "--warmup", "5",
+               "--checkpoint-every", "5", "--eval-every", "10", "--average", "2", "--valid-limit", "20",
+               "--test-limit", "8", "--beam-size", "2", "--no-progress", "--device", "cpu",
+               "--checkpoint-dir", str(tmp_path / "run"), "--results", str(tmp_path / "r.json")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["command"].startswith(
+        "python -m annotated_transformer train --task multi30k")
+    result = subprocess.run([sys.executable, "-m", "annotated_transformer", "evaluate", "--checkpoint",
+                             str(tmp_path / "run" / "average.pt"), "--limit", "8", "--device", "cpu"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "test (8 sentences, greedy): BLEU" in result.stdout and "nrefs:1|case:mixed" in result.stdout
