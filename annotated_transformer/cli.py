@@ -17,18 +17,41 @@ def add_tangle(subparsers) -> None:
 
 
 def add_train(subparsers) -> None:
-    from annotated_transformer.training import add_train as add  # training chapter: imports torch
+    """``train``: the training chapter's options, plus the translation chapter's for ``--task multi30k``."""
+    from annotated_transformer.training import add_train as add
+    from annotated_transformer.translation import add_train_options
 
     add(subparsers)
+    parser = subparsers.choices["train"]
+    add_train_options(parser)
+    parser.set_defaults(run=run_train)
+
+
+def run_train(args) -> int:
+    if args.task == "multi30k":
+        from annotated_transformer.translation import run_train as run
+    else:
+        from annotated_transformer.training import run_train as run
+    return run(args)
 
 
 def add_translate(subparsers) -> None:
-    from annotated_transformer.beam_search import add_translate as add  # beam search chapter: imports torch
+    """``translate``: the beam search chapter's command, which knows the translator's tokenizer too."""
+    from annotated_transformer.beam_search import TOKENIZERS, add_translate as add
+    from annotated_transformer.translation import checkpoint_tokenizer
+
+    TOKENIZERS.setdefault("multi30k", checkpoint_tokenizer)
+    add(subparsers)
+
+
+def add_evaluate(subparsers) -> None:
+    """``evaluate``: BLEU of a translation checkpoint (the translation chapter)."""
+    from annotated_transformer.translation import add_evaluate as add
 
     add(subparsers)
 
 
-COMMANDS = [add_tangle, add_train, add_translate]
+COMMANDS = [add_tangle, add_train, add_translate, add_evaluate]
 
 
 def build_parser() -> argparse.ArgumentParser:

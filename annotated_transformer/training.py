@@ -654,7 +654,7 @@ def train_copy_task(
     return model.eval(), history
 
 
-TASKS = ["copy"]
+TASKS = ["copy", "multi30k"]
 
 
 def add_train(subparsers) -> None:
@@ -666,7 +666,8 @@ def add_train(subparsers) -> None:
                     "GPUs with DistributedDataParallel.",
     )
     parser.add_argument("--task", choices=TASKS, default="copy",
-                        help="what to train: 'copy' copies random sequences (default: copy)")
+                        help="what to train: 'copy' copies random sequences; 'multi30k' is the German-to-English "
+                             "translator of the translation chapter (default: copy)")
     parser.add_argument("--profile", choices=["quick", "full", "auto"], default=None,
                         help="sizes: quick (a CPU), full (a GPU) or auto (full with CUDA); default: AT_PROFILE")
     parser.add_argument("--steps", type=int, default=None, help="optimiser steps in total (default: by profile)")
@@ -676,12 +677,14 @@ def add_train(subparsers) -> None:
     parser.add_argument("--vocab", type=int, default=11,
                         help="copy task: vocabulary size, ids 0 and 1 being padding and start (default: 11)")
     parser.add_argument("--seq-len", type=int, default=10, help="copy task: sequence length (default: 10)")
-    parser.add_argument("--layers", type=int, default=2, help="encoder and decoder layers N (default: 2)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="encoder and decoder layers N (default: 2 for copy, the profile's for multi30k)")
     parser.add_argument("--d-model", type=int, default=None, help="model width d_model (default: by profile)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps of the schedule (default: by profile)")
-    parser.add_argument("--factor", type=float, default=0.5,
-                        help="factor of the learning-rate schedule (default: 0.5)")
-    parser.add_argument("--smoothing", type=float, default=0.0, help="label smoothing epsilon (default: 0)")
+    parser.add_argument("--factor", type=float, default=None,
+                        help="factor of the learning-rate schedule (default: 0.5 for copy, the profile's for multi30k)")
+    parser.add_argument("--smoothing", type=float, default=None,
+                        help="label smoothing epsilon (default: 0 for copy, the profile's for multi30k)")
     parser.add_argument("--clip-norm", type=float, default=None,
                         help="clip the gradient norm to this value (default: off)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
@@ -707,10 +710,13 @@ def run_train(args) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    layers = 2 if args.layers is None else args.layers
+    factor = 0.5 if args.factor is None else args.factor
+    smoothing = 0.0 if args.smoothing is None else args.smoothing
     model, history = train_copy_task(
-        vocab=args.vocab, seq_len=args.seq_len, N=args.layers, d_model=args.d_model, steps=args.steps,
+        vocab=args.vocab, seq_len=args.seq_len, N=layers, d_model=args.d_model, steps=args.steps,
         batch_size=args.batch_size,
-        accumulation_steps=args.accumulation_steps, smoothing=args.smoothing, factor=args.factor,
+        accumulation_steps=args.accumulation_steps, smoothing=smoothing, factor=factor,
         warmup=args.warmup, clip_norm=args.clip_norm, seed=args.seed, device=args.device, amp=args.amp,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, keep_last=args.keep_last,
         resume=args.resume, progress=args.progress, profile=args.profile,
