@@ -213,6 +213,27 @@ def test_rate_matches_the_formula_and_peaks_at_warmup():
         rate(1, 512, 1.0, 0)
 
 
+def test_fused_adam_is_adam():
+    results = []
+    for fused in (True, False):
+        model = tiny_model(seed=4)
+        optimizer = make_optimizer(model) if fused else torch.optim.Adam(model.parameters(), lr=1.0,
+                                                                         betas=(0.9, 0.98), eps=1e-9)
+        assert optimizer.defaults["fused"] is (True if fused else None)
+        scheduler = make_scheduler(optimizer, 16, warmup=2)
+        train(model, padded_batches(3), steps=3, optimizer=optimizer, scheduler=scheduler,
+              loss_fn=LabelSmoothing(11, 0, 0.1), progress=False)
+        results.append(model.state_dict())
+    for key, value in results[0].items():
+        if key.endswith("w_k.bias"):
+            # Softmax ignores a shift shared by all keys, so these gradients are zero up to rounding noise,
+            # which Adam's division by the gradient's own size turns into arbitrary full-size steps.
+            continue
+        assert torch.allclose(value, results[1][key], atol=1e-5), key
+    groups = make_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2))]}])  # parameter groups work too
+    assert groups.defaults["betas"] == (0.9, 0.98)
+
+
 def test_scheduler_gives_rate_k_to_the_kth_step():
     model = torch.nn.Linear(2, 2)
     optimizer = make_optimizer(model)
@@ -405,18 +426,18 @@ def test_copy_task_loss_falls():
 @pytest.mark.cuda
 def test_bf16_autocast_trains_the_copy_task_on_cuda():
     torch.manual_seed(0)
-    model = make_model(11, 11, N=2, d_model=32, d_ff=64, h=4, dropout=0.0).cuda()
+    model = make_model(11, 11, N=1, d_model=32, d_ff=64, h=4, dropout=0.1).cuda()  # the quick copy model
     dtypes = set()
     model.generator.proj.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
     optimizer = make_optimizer(model)
     scheduler = make_scheduler(optimizer, 32, factor=0.5, warmup=100)
-    history = train(model, copy_data(batch_size=128, seq_len=10), steps=600, optimizer=optimizer,
+    history = train(model, copy_data(batch_size=128, seq_len=10), steps=400, optimizer=optimizer,
                     scheduler=scheduler, loss_fn=LabelSmoothing(11, 0, 0.0), device="cuda",
                     progress=False)  # amp: on by default on CUDA
     assert dtypes == {torch.bfloat16}  # the forward pass ran under bfloat16 autocast
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the weights stayed float32
-    assert history["loss"][-1] < 0.1
-    assert copy_accuracy(model, vocab=11, seq_len=10) >= 0.95
+    assert history["loss"][-1] < 0.2
+    assert copy_accuracy(model, vocab=11, seq_len=10) >= 0.99
 
 
 # The command line -------------------------------------------------------------------------------------------
