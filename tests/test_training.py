@@ -117,6 +117,19 @@ def test_token_batches_pairs_and_errors():
         token_batches([3], 0)
 
 
+def test_padding_fraction_by_hand():
+    # Batches {0, 1} (lengths 2 and 4: 8 padded, 6 real) and {2} (length 3: no padding).
+    assert padding_fraction([2, 4, 3], [[0, 1], [2]]) == 1 - 9 / 11
+
+
+def test_shard_rows_split_a_batch_between_processes():
+    for n, world in ((6, 2), (7, 3), (2, 2)):
+        shards = [training.shard_rows(n, rank, world) for rank in range(world)]
+        rows = [i for shard in shards for i in range(n)[shard]]
+        assert rows == list(range(n))
+        assert max(s.stop - s.start for s in shards) - min(s.stop - s.start for s in shards) <= 1
+
+
 # Label smoothing --------------------------------------------------------------------------------------------
 
 def smoothed(target, size, pad, eps):
