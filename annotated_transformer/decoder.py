@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from annotated_transformer.attention import KVCache
-from annotated_transformer.encoder import check_module
-from annotated_transformer.sublayers import LayerNorm, SublayerConnection, clones
+from annotated_transformer.encoder import check_module, stack
+from annotated_transformer.sublayers import SublayerConnection, clones
 
 
 class DecoderCache:
@@ -75,16 +75,8 @@ class Decoder(nn.Module):
         super().__init__()
         if not isinstance(layer, DecoderLayer):
             raise TypeError(f"layer must be a DecoderLayer, got {type(layer).__name__}")
-        if isinstance(N, bool) or not isinstance(N, int) or N < 1:
-            raise ValueError(f"N (the number of layers) must be a positive integer, got {N!r}")
-        if layer.norm_first != bool(norm_first):
-            raise ValueError(
-                f"the layer has norm_first={layer.norm_first} but the stack norm_first={bool(norm_first)}; "
-                "they must agree (only a pre-norm stack ends with a LayerNorm)"
-            )
         self.size = layer.size
-        self.layers = clones(layer, N)
-        self.norm = LayerNorm(layer.size) if norm_first else nn.Identity()
+        self.layers, self.norm = stack(layer, N, norm_first)
 
     def forward(self, x, memory, src_mask, tgt_mask, cache: DecoderCache | None = None):
         """x: embedded target (B, T, d_model); memory: encoder output (B, S, d_model); masks as in

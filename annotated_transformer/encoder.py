@@ -43,6 +43,22 @@ class EncoderLayer(nn.Module):
         return self.sublayer[1](x, self.feed_forward)
 
 
+def stack(layer: nn.Module, N: int, norm_first: bool) -> tuple[nn.ModuleList, nn.Module]:
+    """``N`` deep copies of ``layer``, and the stack's final norm: a ``LayerNorm`` when pre-norm, else identity.
+
+    Raises ValueError unless ``N`` is a positive integer and ``layer.norm_first`` equals ``norm_first``.
+    """
+    if isinstance(N, bool) or not isinstance(N, int) or N < 1:
+        raise ValueError(f"N (the number of layers) must be a positive integer, got {N!r}")
+    if layer.norm_first != bool(norm_first):
+        raise ValueError(
+            f"the layer has norm_first={layer.norm_first} but the stack norm_first={bool(norm_first)}; "
+            "they must agree (only a pre-norm stack ends with a LayerNorm)"
+        )
+    return clones(layer, N), LayerNorm(layer.size) if norm_first else nn.Identity()
+
+
+
 class Encoder(nn.Module):
     """A stack of ``N`` deep copies of ``layer`` (section 3.1; the paper uses N = 6).
 
@@ -55,16 +71,8 @@ class Encoder(nn.Module):
         super().__init__()
         if not isinstance(layer, EncoderLayer):
             raise TypeError(f"layer must be an EncoderLayer, got {type(layer).__name__}")
-        if isinstance(N, bool) or not isinstance(N, int) or N < 1:
-            raise ValueError(f"N (the number of layers) must be a positive integer, got {N!r}")
-        if layer.norm_first != bool(norm_first):
-            raise ValueError(
-                f"the layer has norm_first={layer.norm_first} but the stack norm_first={bool(norm_first)}; "
-                "they must agree (only a pre-norm stack ends with a LayerNorm)"
-            )
         self.size = layer.size
-        self.layers = clones(layer, N)
-        self.norm = LayerNorm(layer.size) if norm_first else nn.Identity()
+        self.layers, self.norm = stack(layer, N, norm_first)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """x: embedded source (B, S, d_model); mask: (B, 1, S) bool, True = may attend. Returns (B, S, d_model)."""

@@ -14,7 +14,7 @@ from annotated_transformer.decoder import Decoder, DecoderCache, DecoderLayer
 from annotated_transformer.embeddings import Embeddings, Generator
 from annotated_transformer.encoder import Encoder, EncoderLayer
 from annotated_transformer.feed_forward import PositionwiseFeedForward
-from annotated_transformer.positional import PositionalEncoding
+from annotated_transformer.positional import PositionalEncoding, check_size
 
 
 class Embed(nn.Module):
@@ -60,13 +60,6 @@ class EncoderDecoder(nn.Module):
     def forward(self, src, tgt, src_mask, tgt_mask) -> torch.Tensor:
         """Encode ``src`` and decode ``tgt`` (teacher forcing). Returns decoder states (B, T, d_model)."""
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
-
-
-def check_size(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
 
 
 def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048, h: int = 8,

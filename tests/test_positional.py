@@ -112,7 +112,6 @@ def test_odd_d_model_raises():
 @pytest.mark.parametrize("call", [
     lambda: sinusoid_table(0, 8),
     lambda: sinusoid_table(10, 0),
-    lambda: sinusoid_table(10.0, 8),
     lambda: LearnedPositionalEmbedding(8, 0.1, max_len=0),
     lambda: PositionalEncoding(8, 0.0, max_len=10)(torch.zeros(10, 8)),  # unbatched
     lambda: PositionalEncoding(8, 0.0, max_len=10)(torch.zeros(1, 4, 6)),  # wrong width
@@ -121,6 +120,13 @@ def test_odd_d_model_raises():
 ])
 def test_bad_arguments_raise_value_error(call):
     with pytest.raises(ValueError):
+        call()
+
+
+@pytest.mark.parametrize("call", [lambda: sinusoid_table(10.0, 8), lambda: sinusoid_table(10, True),
+                                  lambda: LearnedPositionalEmbedding(8, 0.1, max_len="5")])
+def test_sizes_of_the_wrong_type_raise_type_error(call):
+    with pytest.raises(TypeError, match="must be an int"):
         call()
 
 
