@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Record the book's GPU figures on a machine with one CUDA GPU, in steps that each fit in about ten minutes.
+#
+#   scripts/record_gpu.sh prepare       # on a machine with the book's environment (jupytext, the data folder)
+#   scripts/record_gpu.sh translation   # on the GPU machine: the full Multi30k run (book/results/multi30k-full.json)
+#   scripts/record_gpu.sh checks        # on the GPU machine: CUDA tests, benchmarks, the copy task in bf16
+#   scripts/record_gpu.sh chapters [NAME...]  # on the GPU machine: chapters as scripts, full profile
+#
+# `prepare` copies the Multi30k files (from ANNOTATED_TRANSFORMER_DATA) and the chapters, written as plain Python
+# scripts, into .gpu/, so that a GPU machine with PyTorch, sentencepiece and sacreBLEU but no network and no
+# Jupyter can run everything from a copy of this checkout plus .gpu/. The other steps run the package from the
+# checkout with $PYTHON (default: python3), write results into book/results/ and logs into $OUT (default: .gpu/out),
+# and copy the results there too; commit the results files that come back, which record their command and device.
+# AT_DEVICE=cpu makes a dry run of a step on a CPU (pass tiny settings, e.g. `translation --steps 20`); it writes
+# its results into $OUT/results and its checkpoints into $OUT/runs, never into book/results/ or runs/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-.gpu/out}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+step=${1:-}
+shift || true
+
+need_gpu() {
+    mkdir -p "$OUT"
+    "$PYTHON" - <<'EOF' | tee "$OUT/environment.txt"
+import os, platform, torch, sentencepiece, sacrebleu
+dry = os.environ.get("AT_DEVICE", "cuda") == "cpu"  # AT_DEVICE=cpu: a dry run of the steps, with tiny settings
+assert dry or torch.cuda.is_available(), "no CUDA device: this step is for a GPU machine"
+print(f"{'CPU (dry run)' if dry else torch.cuda.get_device_name()} | torch {torch.__version__} (CUDA {torch.version.cuda}) | "
+      f"Python {platform.python_version()} | sentencepiece {sentencepiece.__version__} | sacrebleu {sacrebleu.__version__}")
+EOF
+    if [ -d .gpu/multi30k ]; then export ANNOTATED_TRANSFORMER_DATA="$PWD/.gpu/multi30k"; fi
+    : "${ANNOTATED_TRANSFORMER_DATA:?set ANNOTATED_TRANSFORMER_DATA, or run 'prepare' first}"
+    # a dry run never writes into book/results/
+    if [ "${AT_DEVICE:-cuda}" = cpu ]; then RESULTS="$OUT/results" RUNS="$OUT/runs"; else RESULTS=book/results RUNS=runs; fi
+    mkdir -p "$RESULTS"
+    export AT_PROFILE=${AT_PROFILE:-full} AT_DEVICE=${AT_DEVICE:-cuda} ANNOTATED_TRANSFORMER_CACHE="$PWD/.gpu/cache"
+}
+
+case "$step" in
+prepare)
+    : "${ANNOTATED_TRANSFORMER_DATA:?set ANNOTATED_TRANSFORMER_DATA to the Multi30k folder}"
+    rm -rf .gpu/multi30k .gpu/chapters
+    mkdir -p .gpu/multi30k
+    cp "$ANNOTATED_TRANSFORMER_DATA"/*.gz .gpu/multi30k/
+    ${BOOK_PYTHON:-.venv/bin/python} scripts/chapter_scripts.py write .gpu/chapters >/dev/null
+    du -sh .gpu
+    echo "carry .gpu to the GPU machine, then run the other steps there"
+    ;;
+translation)
+    need_gpu
+    # the command of the translation chapter's "full run" section, verbatim
+    "$PYTHON" -m annotated_transformer train --task multi30k --profile "$AT_PROFILE" --layers 3 --smoothing 0.1 \
+        --factor 0.5 --checkpoint-dir "$RUNS/multi30k-full" --results "$RESULTS/multi30k-full.json" --no-progress \
+        "$@" 2>&1 | tee "$OUT/translation.log"
+    [ "$RESULTS" = "$OUT/results" ] || cp "$RESULTS/multi30k-full.json" "$OUT/"
+    ;;
+checks)
+    need_gpu
+    set -o pipefail
+    "$PYTHON" -m pytest tests -m cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/cuda-tests.log" || status=$?
+    "$PYTHON" -m annotated_transformer.bench --device "$AT_DEVICE" --json "$RESULTS/bench_gpu.json" 2>&1 \
+        | tee "$OUT/bench.log"
+    [ "$RESULTS" = "$OUT/results" ] || cp "$RESULTS/bench_gpu.json" "$OUT/"
+    "$PYTHON" tests/bench_decoding.py --device "$AT_DEVICE" 2>&1 | tee "$OUT/bench-decoding.log"
+    "$PYTHON" -m annotated_transformer train --task copy --device "$AT_DEVICE" --no-progress 2>&1 \
+        | tee "$OUT/copy-bf16.log"
+    exit "${status:-0}"
+    ;;
+chapters)
+    need_gpu
+    "$PYTHON" scripts/chapter_scripts.py run .gpu/chapters "$@" --timeout "${CHAPTER_TIMEOUT:-540}" \
+        --report "$OUT/chapters-full.json" 2>&1 | tee "$OUT/chapters.log"
+    ;;
+*)
+    sed -n '2,15p' "$0"
+    exit 2
+    ;;
+esac

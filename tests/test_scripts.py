@@ -1,0 +1,69 @@
+"""The maintainers' scripts: chapters as plain scripts, and the steps that record the GPU figures."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+
+
+def run_script(*args, env=None, timeout=300):
+    return subprocess.run(list(args), cwd=ROOT, env=dict(os.environ, **(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_chapters_become_scripts_with_future_imports_at_the_top(tmp_path):
+    pytest.importorskip("jupytext")
+    done = run_script(sys.executable, str(SCRIPTS / "chapter_scripts.py"), "write", str(tmp_path), "intro", "masking")
+    assert done.returncode == 0, done.stderr
+    scripts = sorted(tmp_path.glob("*.py"))
+    assert [path.name for path in scripts] == ["00_intro.py", "02_masking.py"]
+    for path in scripts:
+        source = path.read_text()
+        code = [line for line in source.splitlines() if line and not line.startswith("#")]
+        assert code[0] == "from __future__ import annotations"
+        assert source.count("from __future__ import annotations") == 1
+        compile(source, str(path), "exec")  # a misplaced __future__ import is a SyntaxError
+
+
+def test_running_chapter_scripts_reports_passes_and_failures(tmp_path):
+    folder = tmp_path / "chapters"
+    folder.mkdir()
+    (folder / "00_good.py").write_text("from pathlib import Path\nassert Path('results').is_dir()  # runs in book/\n")
+    (folder / "01_bad.py").write_text("assert 1 + 1 == 3, 'arithmetic is broken'\n")
+    report = tmp_path / "report.json"
+    done = run_script(sys.executable, str(SCRIPTS / "chapter_scripts.py"), "run", str(folder), "--report", str(report))
+    assert done.returncode == 1
+    assert "arithmetic is broken" in done.stdout
+    rows = {row["chapter"]: row["status"] for row in json.loads(report.read_text())["chapters"]}
+    assert rows == {"good": "passed", "bad": "failed"}
+    only_good = run_script(sys.executable, str(SCRIPTS / "chapter_scripts.py"), "run", str(folder), "good")
+    assert only_good.returncode == 0, only_good.stdout
+
+
+def test_a_slow_chapter_script_times_out(tmp_path):
+    (tmp_path / "00_slow.py").write_text("import time\ntime.sleep(30)\n")
+    done = run_script(sys.executable, str(SCRIPTS / "chapter_scripts.py"), "run", str(tmp_path), "--timeout", "1")
+    assert done.returncode == 1 and "timed out after 1 s" in done.stdout
+
+
+def test_record_gpu_script_without_a_step_prints_its_usage():
+    done = run_script("bash", str(SCRIPTS / "record_gpu.sh"))
+    assert done.returncode == 2
+    assert "translation" in done.stdout and "checks" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_record_gpu_script_refuses_to_record_without_a_gpu(tmp_path):
+    done = run_script("bash", str(SCRIPTS / "record_gpu.sh"), "checks",
+                      env={"PYTHON": sys.executable, "OUT": str(tmp_path), "AT_DEVICE": "cuda"})
+    assert done.returncode != 0
+    assert "no CUDA device" in done.stdout + done.stderr
+    assert not (tmp_path / "bench_gpu.json").exists()
