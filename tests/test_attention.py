@@ -527,15 +527,6 @@ def cuda_inputs():
     return mha, x, pad
 
 
-@pytest.fixture
-def full_float32_precision():
-    """TF32 matrix products (if another test switched them on) would need far looser float32 tolerances."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("mask_name", ["none", "padding", "padding+causal"])

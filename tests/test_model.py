@@ -288,14 +288,6 @@ def test_dropout_is_active_in_training_mode_only():
 # --- CUDA ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def full_float32_precision():
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_cuda_forward_matches_cpu(norm_first, full_float32_precision):
