@@ -11,7 +11,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jupytext
 import yaml
 
 PACKAGE = "annotated_transformer"
@@ -34,6 +33,8 @@ class Chapter:
 
 def read_chapter(path: Path, root: Path) -> Chapter:
     """Read a MyST chapter with jupytext and collect its `export` cells in order."""
+    import jupytext
+
     notebook = jupytext.read(path)
     module = notebook.metadata.get("tangle")
     title = next(

@@ -74,7 +74,9 @@ def run(folder: Path, names: list[str], timeout: int, report: Path | None) -> in
             status = "passed" if done.returncode == 0 else "failed"
             tail = (done.stdout + done.stderr)[-3000:]
         except subprocess.TimeoutExpired as error:
-            status, tail = f"timed out after {timeout} s", str(error.stdout or "")[-3000:]
+            output = error.stdout or b""  # bytes here, even with text=True
+            status = f"timed out after {timeout} s"
+            tail = (output.decode(errors="replace") if isinstance(output, bytes) else output)[-3000:]
         seconds = time.perf_counter() - started
         rows.append(dict(chapter=chapter, status=status, seconds=round(seconds, 1)))
         print(f"{chapter:16s} {status:24s} {seconds:7.1f} s", flush=True)

@@ -33,7 +33,12 @@ EOF
     if [ -d .gpu/multi30k ]; then export ANNOTATED_TRANSFORMER_DATA="$PWD/.gpu/multi30k"; fi
     : "${ANNOTATED_TRANSFORMER_DATA:?set ANNOTATED_TRANSFORMER_DATA, or run 'prepare' first}"
     # a dry run never writes into book/results/
-    if [ "${AT_DEVICE:-cuda}" = cpu ]; then RESULTS="$OUT/results" RUNS="$OUT/runs"; else RESULTS=book/results RUNS=runs; fi
+    # and runs the benchmarks and the copy task at tiny sizes
+    if [ "${AT_DEVICE:-cuda}" = cpu ]; then
+        RESULTS="$OUT/results" RUNS="$OUT/runs" TINY=(--smoke) COPY=(--steps 30)
+    else
+        RESULTS=book/results RUNS=runs TINY=() COPY=()
+    fi
     mkdir -p "$RESULTS"
     export AT_PROFILE=${AT_PROFILE:-full} AT_DEVICE=${AT_DEVICE:-cuda} ANNOTATED_TRANSFORMER_CACHE="$PWD/.gpu/cache"
 }
@@ -60,11 +65,11 @@ checks)
     need_gpu
     set -o pipefail
     "$PYTHON" -m pytest tests -m cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/cuda-tests.log" || status=$?
-    "$PYTHON" -m annotated_transformer.bench --device "$AT_DEVICE" --json "$RESULTS/bench_gpu.json" 2>&1 \
+    "$PYTHON" -m annotated_transformer.bench "${TINY[@]}" --device "$AT_DEVICE" --json "$RESULTS/bench_gpu.json" 2>&1 \
         | tee "$OUT/bench.log"
     [ "$RESULTS" = "$OUT/results" ] || cp "$RESULTS/bench_gpu.json" "$OUT/"
-    "$PYTHON" tests/bench_decoding.py --device "$AT_DEVICE" 2>&1 | tee "$OUT/bench-decoding.log"
-    "$PYTHON" -m annotated_transformer train --task copy --device "$AT_DEVICE" --no-progress 2>&1 \
+    "$PYTHON" tests/bench_decoding.py "${TINY[@]}" --device "$AT_DEVICE" 2>&1 | tee "$OUT/bench-decoding.log"
+    "$PYTHON" -m annotated_transformer train --task copy "${COPY[@]}" --device "$AT_DEVICE" --no-progress 2>&1 \
         | tee "$OUT/copy-bf16.log"
     exit "${status:-0}"
     ;;

@@ -93,3 +93,20 @@ def test_tangle_with_a_root_that_holds_no_book_fails_clearly(tmp_path: Path, cap
     assert main(["tangle", "--check", "--root", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "_toc.yml" in err
+
+
+def test_command_line_works_without_the_notebook_tools():
+    """A GPU server may have PyTorch but not jupytext: only `tangle` itself needs it."""
+    code = ("import sys; sys.modules['jupytext'] = None\n"  # makes `import jupytext` fail
+            "from annotated_transformer.cli import build_parser\n"
+            "args = build_parser().parse_args(['train', '--task', 'multi30k', '--steps', '3'])\n"
+            "print(args.task, args.steps)\n"
+            "from annotated_transformer import tangle\n"
+            "try:\n"
+            "    tangle.read_chapter(tangle.chapter_paths(tangle.Path('.'))[0], tangle.Path('.'))\n"
+            "except ImportError:\n"
+            "    print('tangle needs jupytext')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["multi30k 3", "tangle needs jupytext"]

@@ -33,7 +33,6 @@ from importlib import metadata
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-import jupytext
 import pytest
 
 from annotated_transformer.tangle import chapter_paths
@@ -138,6 +137,8 @@ CODE_FENCE = re.compile(r"^(`{3,}|~{3,})(.*)$")
 
 def source_has_math(chapter: Path) -> bool:
     """Whether a chapter's Markdown has `$...$` or `$$...$$` outside code, in which case its page must show math."""
+    import jupytext  # only the site checks need it: the CUDA tests run where the notebook tools are missing
+
     text = []
     for cell in jupytext.read(chapter).cells:
         if cell.cell_type != "markdown":
