@@ -432,7 +432,8 @@ def train(
     ``checkpoint_every`` steps and at the end, keeping the newest ``keep_last``. ``resume=True`` continues from
     the newest checkpoint in ``checkpoint_dir`` (or ``resume`` names the file): weights, optimiser, schedule,
     random number generators and history are restored, and data order is a function of the step, so the run
-    continues exactly as if it had not stopped.
+    continues exactly as if it had not stopped. Each checkpoint also records ``train_seconds``, the time spent in
+    this function up to that step, summed over the resumed runs (work lost to a crash is not counted).
 
     Inside a process group (``torchrun``), each micro-batch is split between the processes and the model is
     wrapped in ``DistributedDataParallel``; the result equals one process training on the whole batch.
@@ -457,7 +458,7 @@ def train(
     rank, world = distributed_context()
 
     history: dict[str, list] = {"step": [], "loss": [], "lr": [], "tokens": []}
-    start = 0
+    start, seconds_before = 0, 0.0
     if resume:
         path = Path(resume) if isinstance(resume, (str, os.PathLike)) else latest_checkpoint(checkpoint_dir)
         if path is None:
@@ -475,6 +476,7 @@ def train(
         set_rng_state(states[rank % len(states)])
         start = checkpoint["step"]
         history = checkpoint["extra"].get("history", history)
+        seconds_before = checkpoint["extra"].get("train_seconds", 0.0)
 
     net: nn.Module = LogProbs(model)
     if world > 1:
@@ -488,7 +490,9 @@ def train(
             states = [rng_state()]
         if rank == 0:
             save_checkpoint(checkpoint_path(checkpoint_dir, step), model=model, optimizer=optimizer,
-                            scheduler=scheduler, step=step, extra={"history": history}, rng=states)
+                            scheduler=scheduler, step=step, rng=states,
+                            extra={"history": history,
+                                   "train_seconds": seconds_before + time.perf_counter() - started})
             for old in list_checkpoints(checkpoint_dir)[:-keep_last] if keep_last > 0 else []:
                 old.unlink()
         if world > 1:
@@ -497,7 +501,8 @@ def train(
     model.train()
     bar = tqdm(total=steps, initial=start, disable=not progress or rank != 0, desc="train",
                mininterval=1.0, dynamic_ncols=True)
-    clock, tokens_since = time.perf_counter(), 0
+    started = clock = time.perf_counter()
+    tokens_since = 0
     for step in range(start, steps):
         group = [get_batch(step * accumulation_steps + j) for j in range(accumulation_steps)]
         total_tokens = sum(batch.ntokens for batch in group)

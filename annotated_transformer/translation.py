@@ -145,7 +145,8 @@ def train_translator(config: dict, checkpoint_dir, *, device=None, amp: bool | N
     ``average`` checkpoints with the tokenizer inside. A folder that already holds checkpoints needs
     ``resume=True``, which continues that run. Returns a dict with the averaged model (eval mode), the tokenizer,
     the training history, the validation curve, the validation losses of the last and the averaged weights, the
-    checkpoint's path, the parameter count and the seconds spent in training.
+    checkpoint's path, the parameter count and the seconds spent in training (summed over resumed runs;
+    validation not included).
     """
     device = get_device(device) if device is None or isinstance(device, str) else torch.device(device)
     folder = Path(checkpoint_dir)
@@ -176,17 +177,14 @@ def train_translator(config: dict, checkpoint_dir, *, device=None, amp: bool | N
     valid_file = folder / "valid.json"
     done = load_checkpoint(latest)["step"] if latest is not None else 0
     valid = json.loads(valid_file.read_text()) if done and valid_file.exists() else {"step": [], "loss": []}
-    train_seconds = 0.0
     steps, every = config["steps"], config["eval_every"]
     for end in [*range(every, steps, every), steps]:
         if end <= done:
             continue
-        start = time.perf_counter()
         train(model, batches, steps=end, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn,
               accumulation_steps=config["accumulation_steps"], clip_norm=config["clip_norm"], device=device,
               amp=amp, checkpoint_dir=folder, checkpoint_every=config["checkpoint_every"],
               keep_last=config["average"], resume=done > 0, progress=progress)
-        train_seconds += time.perf_counter() - start
         done = end
         loss = validation_loss(model, valid_examples)
         valid["step"].append(end)
@@ -206,7 +204,7 @@ def train_translator(config: dict, checkpoint_dir, *, device=None, amp: bool | N
                            extra={"averaged": [p.name for p in paths], "history": history, "valid": valid})
     return dict(model=model.eval(), tokenizer=tokenizer, history=history, valid=valid, last_valid_loss=last_loss,
                 averaged_valid_loss=averaged_loss, averaged=[p.name for p in paths], checkpoint=path,
-                train_examples=len(train_examples), train_seconds=train_seconds,
+                train_examples=len(train_examples), train_seconds=last["extra"].get("train_seconds", 0.0),
                 parameters=sum(p.numel() for p in model.parameters()))
 
 

@@ -329,12 +329,15 @@ def test_resume_after_a_crash_is_bit_for_bit(tmp_path):
         run(6, tmp_path, crash_at=2 * 5)  # dies during step 6, after the checkpoints of steps 2 and 4
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002.pt", "step_00000004.pt"]
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+    before = load_checkpoint(latest_checkpoint(tmp_path))["extra"]["train_seconds"]
+    assert before > 0
     torch.manual_seed(999)  # a different state: the checkpoint must restore everything that matters
     resumed, resumed_history = run(6, tmp_path, resume=True, seed=7)
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert resumed_history == reference_history
-    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 6
+    final = load_checkpoint(latest_checkpoint(tmp_path))
+    assert final["step"] == 6 and final["extra"]["train_seconds"] > before  # counted on from the checkpoint
 
 
 def test_checkpoint_contents_and_weights_only(tmp_path):

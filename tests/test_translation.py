@@ -20,7 +20,7 @@ import torch
 from annotated_transformer import training
 from annotated_transformer.data import BOS_ID, DATA_ENV, EOS_ID
 from annotated_transformer.model import make_model
-from annotated_transformer.training import save_checkpoint
+from annotated_transformer.training import latest_checkpoint, load_checkpoint, save_checkpoint
 from annotated_transformer.translation import (
     PROFILES, SentencePieces, add_evaluate, add_train_options, bleu, checkpoint_tokenizer, config_from_args,
     load_translator, run_experiment, run_train, strip_special, thin, train_translator, translate, translate_ids, translation_config,
@@ -174,7 +174,7 @@ def test_resume_continues_exactly(environment, tmp_path):
     quiet = dict(device="cpu", progress=False, log=lambda message: None)
     settings = dict(TINY, steps=20, test_limit=None)
     whole = train_translator(translation_config("quick", **settings), tmp_path / "whole", **quiet)
-    train_translator(translation_config("quick", **dict(settings, steps=10)), tmp_path / "parts", **quiet)
+    part = train_translator(translation_config("quick", **dict(settings, steps=10)), tmp_path / "parts", **quiet)
     with pytest.raises(ValueError, match="already holds checkpoints"):
         train_translator(translation_config("quick", **settings), tmp_path / "parts", **quiet)
     resumed = train_translator(translation_config("quick", **settings), tmp_path / "parts", resume=True, **quiet)
@@ -182,6 +182,9 @@ def test_resume_continues_exactly(environment, tmp_path):
         torch.testing.assert_close(resumed["model"].state_dict()[key], value, rtol=0, atol=0)
     assert resumed["history"]["loss"] == whole["history"]["loss"]
     assert resumed["valid"]["step"] == [10, 20]
+    # the training time adds up over the two runs: the second starts from the first one's seconds
+    assert 0 < part["train_seconds"] < resumed["train_seconds"]
+    assert resumed["train_seconds"] == load_checkpoint(latest_checkpoint(tmp_path / "parts"))["extra"]["train_seconds"]
     with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
         train_translator(translation_config("quick", **settings), tmp_path / "empty", resume=True, **quiet)
 
