@@ -71,7 +71,8 @@ def run(folder: Path, names: list[str], timeout: int, report: Path | None) -> in
         try:
             done = subprocess.run([sys.executable, str(script.resolve())], cwd=ROOT / "book", env=env,
                                   timeout=timeout, capture_output=True, text=True)
-            status = "passed" if done.returncode == 0 else "failed"
+            code = done.returncode
+            status = "passed" if code == 0 else f"killed by signal {-code}" if code < 0 else f"failed (exit {code})"
             tail = (done.stdout + done.stderr)[-3000:]
         except subprocess.TimeoutExpired as error:
             output = error.stdout or b""  # bytes here, even with text=True

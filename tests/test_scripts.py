@@ -43,9 +43,15 @@ def test_running_chapter_scripts_reports_passes_and_failures(tmp_path):
     assert done.returncode == 1
     assert "arithmetic is broken" in done.stdout
     rows = {row["chapter"]: row["status"] for row in json.loads(report.read_text())["chapters"]}
-    assert rows == {"good": "passed", "bad": "failed"}
+    assert rows == {"good": "passed", "bad": "failed (exit 1)"}
     only_good = run_script(sys.executable, str(SCRIPTS / "chapter_scripts.py"), "run", str(folder), "good")
     assert only_good.returncode == 0, only_good.stdout
+
+
+def test_a_killed_chapter_script_says_so(tmp_path):
+    (tmp_path / "00_oom.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer\n")
+    done = run_script(sys.executable, str(SCRIPTS / "chapter_scripts.py"), "run", str(tmp_path))
+    assert done.returncode == 1 and "killed by signal 9" in done.stdout
 
 
 def test_a_slow_chapter_script_times_out(tmp_path):
