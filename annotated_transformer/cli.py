@@ -51,22 +51,36 @@ def add_evaluate(subparsers) -> None:
     add(subparsers)
 
 
-COMMANDS = [add_tangle, add_train, add_translate, add_evaluate]
+# name: (its line in the listing of subcommands, the function that registers its options). Each line repeats the
+# help that the registering function gives; the checks below compare the two listings.
+COMMANDS = {
+    "tangle": ("regenerate (or --check) the package from the book", add_tangle),
+    "train": ("train a model (tasks: copy, multi30k)", add_train),
+    "translate": ("translate sentences with a trained model (greedy or beam search)", add_translate),
+    "evaluate": ("BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split", add_evaluate),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. With ``only`` (a name, or "" for none), the other subcommands are listed with
+    their help line but get no options, so that their modules are not imported."""
     parser = argparse.ArgumentParser(
         prog="python -m annotated_transformer",
         description="The Annotated Transformer: tangle the book, train, translate and evaluate.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in COMMANDS:
-        add(subparsers)
+    for name, (help_line, add) in COMMANDS.items():
+        if only is None or name == only:
+            add(subparsers)
+        else:
+            subparsers.add_parser(name, help=help_line)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), "")
+    args = build_parser(only=command if command in COMMANDS else "").parse_args(argv)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as error:
