@@ -58,7 +58,6 @@ def stack(layer: nn.Module, N: int, norm_first: bool) -> tuple[nn.ModuleList, nn
     return clones(layer, N), LayerNorm(layer.size) if norm_first else nn.Identity()
 
 
-
 class Encoder(nn.Module):
     """A stack of ``N`` deep copies of ``layer`` (section 3.1; the paper uses N = 6).
 

@@ -21,7 +21,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MPLBACKEN
 step=${1:-}
 shift || true
 
-need_gpu() {
+enter_step() {
     mkdir -p "$OUT"
     "$PYTHON" - <<'EOF' | tee "$OUT/environment.txt"
 import os, platform, torch, sentencepiece, sacrebleu
@@ -32,8 +32,8 @@ print(f"{'CPU (dry run)' if dry else torch.cuda.get_device_name()} | torch {torc
 EOF
     if [ -d .gpu/multi30k ]; then export ANNOTATED_TRANSFORMER_DATA="$PWD/.gpu/multi30k"; fi
     : "${ANNOTATED_TRANSFORMER_DATA:?set ANNOTATED_TRANSFORMER_DATA, or run 'prepare' first}"
-    # a dry run never writes into book/results/
-    # and runs the benchmarks and the copy task at tiny sizes
+    # a dry run (AT_DEVICE=cpu) never writes into book/results/ or runs/, and runs the benchmarks and the copy
+    # task at tiny sizes
     if [ "${AT_DEVICE:-cuda}" = cpu ]; then
         RESULTS="$OUT/results" RUNS="$OUT/runs" TINY=(--smoke) COPY=(--steps 30)
     else
@@ -54,7 +54,7 @@ prepare)
     echo "carry .gpu to the GPU machine, then run the other steps there"
     ;;
 translation)
-    need_gpu
+    enter_step
     # the command of the translation chapter's "full run" section, verbatim; a run that was cut off (by a time
     # limit on the machine, say) continues from its last checkpoint when the step is run again
     resume=()
@@ -65,8 +65,7 @@ translation)
     [ "$RESULTS" = "$OUT/results" ] || cp "$RESULTS/multi30k-full.json" "$OUT/"
     ;;
 checks)
-    need_gpu
-    set -o pipefail
+    enter_step
     "$PYTHON" -m pytest tests -m cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/cuda-tests.log" || status=$?
     "$PYTHON" -m annotated_transformer.bench "${TINY[@]}" --device "$AT_DEVICE" --json "$RESULTS/bench_gpu.json" 2>&1 \
         | tee "$OUT/bench.log"
@@ -77,7 +76,7 @@ checks)
     exit "${status:-0}"
     ;;
 chapters)
-    need_gpu
+    enter_step
     names=("$@")
     if [ ${#names[@]} -eq 0 ] && ! "$PYTHON" -c "import jupytext" 2>/dev/null; then
         # these three read the book's own sources with jupytext, and use no GPU

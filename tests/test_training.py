@@ -451,7 +451,7 @@ def test_bf16_autocast_trains_the_copy_task(device):
     steps = 250 if device == "cpu" else 400  # the CPU's bfloat16 is emulated and slow; 250 steps suffice here
     history = train(model, copy_data(batch_size=128, seq_len=10), steps=steps, optimizer=optimizer,
                     scheduler=scheduler, loss_fn=LabelSmoothing(11, 0, 0.0), device=device,
-                    amp=True if device == "cpu" else None, progress=False)  # amp: on by default on CUDA
+                    amp=True, progress=False)
     assert dtypes == {torch.bfloat16}  # the forward pass ran under bfloat16 autocast
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the weights stayed float32
     assert history["loss"][-1] < 0.2
