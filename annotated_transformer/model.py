@@ -16,6 +16,8 @@ from annotated_transformer.encoder import Encoder, EncoderLayer
 from annotated_transformer.feed_forward import PositionwiseFeedForward
 from annotated_transformer.positional import PositionalEncoding, check_size
 
+EMBEDDING_INITS = ("normal", "xavier")
+
 
 class Embed(nn.Module):
     """Token embedding (scaled by sqrt(d_model)) plus positional encoding: (B, L) ids -> (B, L, d_model).
@@ -63,29 +65,41 @@ class EncoderDecoder(nn.Module):
 
 
 def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048, h: int = 8,
-               dropout: float = 0.1, *, norm_first: bool = False, share_embeddings: bool = False) -> EncoderDecoder:
-    """Build a Transformer (defaults: the paper's base model) with Xavier-initialised weight matrices.
+               dropout: float = 0.1, *, norm_first: bool = False, share_embeddings: bool = False,
+               embedding_init: str = "normal", attention_dropout: float | None = None,
+               activation_dropout: float | None = None) -> EncoderDecoder:
+    """Build a Transformer (defaults: the paper's base model).
 
     ``norm_first=False`` is the paper's post-norm, ``True`` pre-norm. ``share_embeddings=True`` ties the source
     embedding, the target embedding and the generator's weight (section 3.4); it needs src_vocab == tgt_vocab.
-    The arguments are kept in ``model.config``.
+    Weight matrices are Xavier-initialised; the embedding tables are drawn from N(0, 1/d_model)
+    (``embedding_init="normal"``) or, like every other matrix, Xavier (``"xavier"``, the 2022 code's choice).
+    ``dropout`` is the paper's residual dropout; ``attention_dropout`` (on the attention weights) and
+    ``activation_dropout`` (inside the feed-forward network) default to it. The arguments are kept in
+    ``model.config``.
     """
     for name, value in (("src_vocab", src_vocab), ("tgt_vocab", tgt_vocab), ("N", N), ("d_model", d_model),
                         ("d_ff", d_ff), ("h", h)):
         check_size(name, value)
     if d_model % h != 0:
         raise ValueError(f"d_model ({d_model}) must be divisible by the number of heads h ({h})")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
-        raise TypeError(f"dropout must be a float, got {type(dropout).__name__} {dropout!r}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+    attention_dropout = dropout if attention_dropout is None else attention_dropout
+    activation_dropout = dropout if activation_dropout is None else activation_dropout
+    for name, value in (("dropout", dropout), ("attention_dropout", attention_dropout),
+                        ("activation_dropout", activation_dropout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
+    if embedding_init not in EMBEDDING_INITS:
+        raise ValueError(f"embedding_init must be one of {EMBEDDING_INITS}, got {embedding_init!r}")
     if share_embeddings and src_vocab != tgt_vocab:
         raise ValueError(
             f"share_embeddings=True needs one shared vocabulary, but src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
         )
     c = copy.deepcopy
-    attn = MultiHeadedAttention(h, d_model, dropout)
-    ff = PositionwiseFeedForward(d_model, d_ff, dropout)
+    attn = MultiHeadedAttention(h, d_model, attention_dropout)
+    ff = PositionwiseFeedForward(d_model, d_ff, activation_dropout)
     position = PositionalEncoding(d_model, dropout)
     model = EncoderDecoder(
         Encoder(EncoderLayer(d_model, c(attn), c(ff), dropout, norm_first), N, norm_first),
@@ -97,10 +111,15 @@ def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d
     for p in model.parameters():
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
+    if embedding_init == "normal":
+        for embed in (model.src_embed, model.tgt_embed):
+            nn.init.normal_(embed.embeddings.lut.weight, std=d_model ** -0.5)
     if share_embeddings:
         shared = model.tgt_embed.embeddings.lut.weight
         model.src_embed.embeddings.lut.weight = shared
         model.generator.proj.weight = shared
     model.config = dict(src_vocab=src_vocab, tgt_vocab=tgt_vocab, N=N, d_model=d_model, d_ff=d_ff, h=h,
-                        dropout=float(dropout), norm_first=bool(norm_first), share_embeddings=bool(share_embeddings))
+                        dropout=float(dropout), norm_first=bool(norm_first), share_embeddings=bool(share_embeddings),
+                        embedding_init=embedding_init, attention_dropout=float(attention_dropout),
+                        activation_dropout=float(activation_dropout))
     return model

@@ -94,9 +94,27 @@ def test_config_is_a_plain_dict_of_the_arguments():
     model = make_model(30, 40, N=1, d_model=16, d_ff=32, h=2, dropout=0.2, norm_first=True)
     assert type(model.config) is dict
     assert model.config == dict(src_vocab=30, tgt_vocab=40, N=1, d_model=16, d_ff=32, h=2, dropout=0.2,
-                                norm_first=True, share_embeddings=False)
+                                norm_first=True, share_embeddings=False, embedding_init="normal",
+                                attention_dropout=0.2, activation_dropout=0.2)
     assert json.loads(json.dumps(model.config)) == model.config
     assert make_model(**model.config).config == model.config   # the config rebuilds the same model
+
+
+def test_embedding_init_and_dropout_places():
+    torch.manual_seed(0)
+    model = make_model(2000, 2000, N=1, d_model=64, d_ff=128, h=4, dropout=0.3, attention_dropout=0.0,
+                       activation_dropout=0.1, share_embeddings=True)
+    table = model.src_embed.embeddings.lut.weight
+    assert abs(table.std().item() * 64 ** 0.5 - 1) < 0.05                 # N(0, 1/d_model)
+    xavier = make_model(2000, 2000, N=1, d_model=64, d_ff=128, h=4, embedding_init="xavier")
+    assert abs(xavier.src_embed.embeddings.lut.weight.std().item() / (2 / 2064) ** 0.5 - 1) < 0.05
+    assert model.encoder.layers[0].self_attn.dropout.p == 0.0
+    assert model.encoder.layers[0].feed_forward.dropout.p == 0.1
+    assert model.src_embed.position.dropout.p == 0.3
+    with pytest.raises(ValueError, match="embedding_init"):
+        make_model(10, 10, N=1, d_model=16, d_ff=32, h=2, embedding_init="uniform")
+    with pytest.raises(ValueError, match="attention_dropout"):
+        make_model(10, 10, N=1, d_model=16, d_ff=32, h=2, attention_dropout=1.0)
 
 
 def test_hand_built_model_has_no_config():
@@ -168,7 +186,9 @@ def test_matrices_are_xavier_uniform_and_vectors_keep_their_defaults():
     torch.manual_seed(0)
     model = make_model(300, 300, N=1, d_model=128, d_ff=512, h=4)
     for name, p in model.named_parameters():
-        if p.dim() > 1:
+        if "embeddings.lut" in name:
+            assert abs(p.std().item() * math.sqrt(128) - 1) < 0.05, name   # N(0, 1/d_model)
+        elif p.dim() > 1:
             fan_out, fan_in = p.shape
             bound = math.sqrt(6 / (fan_in + fan_out))
             assert p.abs().max() <= bound, name
@@ -214,7 +234,11 @@ def test_untrained_predictions_are_nearly_uniform():
     with torch.no_grad():
         log_probs = model.generator(model(src, tgt, padding_mask(src, PAD), target_mask(tgt, PAD)))
     entropy = -(log_probs.exp() * log_probs).sum(-1)
-    assert entropy.min() > 0.97 * math.log(vocab)
+    # The tied N(0, 1/d_model) table gives logits of variance about 1: entropy about log V - 1/2.
+    variance = model.generator.proj(model(src, tgt, padding_mask(src, PAD), target_mask(tgt, PAD))).var(-1).mean()
+    assert 0.5 < variance.item() < 2.0
+    assert (entropy.mean() - (math.log(vocab) - variance.item() / 2)).abs() < 0.1
+    assert entropy.min() > math.log(vocab) - 1.5
 
 
 def test_embed_offset_shifts_the_positions():
