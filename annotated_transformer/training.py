@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import re
@@ -168,9 +169,15 @@ class LabelSmoothing(nn.Module):
             raise ValueError(f"log_probs must have shape (N, {self.size}), got {tuple(log_probs.shape)}")
         if target.shape != log_probs.shape[:1]:
             raise ValueError(f"target must have shape ({log_probs.size(0)},), got {tuple(target.shape)}")
-        q = self.target_distribution(target, log_probs.dtype)
-        log_p = log_probs.masked_fill(q == 0, 0.0)  # 0 * log 0 is 0: keep -inf out of the sum
-        return (torch.xlogy(q, q) - q * log_p).sum()
+        # The closed form of the sum over k (derived below): no (N, size) matrix is built.
+        pad, u = self.padding_idx, self.smoothing / (self.size - 2)
+        log_p_target = log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
+        loss = self.confidence * (math.log(self.confidence) - log_p_target)
+        if u > 0:
+            rest = log_probs[:, :pad].sum(1) + log_probs[:, pad + 1:].sum(1)  # every column but padding
+            others = torch.where(torch.isneginf(log_p_target), log_p_target, rest - log_p_target)
+            loss = loss + self.smoothing * math.log(u) - u * others
+        return torch.where(target != pad, loss, 0.0).sum()
 
 
 def rate(step: int, model_size: int, factor: float = 1.0, warmup: int = 4000) -> float:
@@ -420,7 +427,8 @@ def train(
     resume=False,
     progress: bool = True,
 ) -> dict:
-    """Train ``model`` for ``steps`` optimiser steps; return the history (per step: loss per token, lr, tokens).
+    """Train ``model`` for ``steps`` optimiser steps; return the history (per step: loss per token, the
+    cross-entropy of the labels per token ``nll``, lr, tokens).
 
     ``batches`` gives micro-batch ``i`` as ``batches[i % len(batches)]`` (a sequence) or ``batches(i)`` (a
     function). Optimiser step ``s`` (from 0) uses micro-batches ``s*k .. s*k+k-1``, ``k = accumulation_steps``:
@@ -457,7 +465,7 @@ def train(
     amp = device.type == "cuda" if amp is None else amp
     rank, world = distributed_context()
 
-    history: dict[str, list] = {"step": [], "loss": [], "lr": [], "tokens": []}
+    history: dict[str, list] = {"step": [], "loss": [], "nll": [], "lr": [], "tokens": []}
     start, seconds_before = 0, 0.0
     if resume:
         path = Path(resume) if isinstance(resume, (str, os.PathLike)) else latest_checkpoint(checkpoint_dir)
@@ -499,8 +507,12 @@ def train(
             dist.barrier()
 
     model.train()
-    bar = tqdm(total=steps, initial=start, disable=not progress or rank != 0, desc="train",
-               mininterval=1.0, dynamic_ncols=True)
+    if isinstance(progress, tqdm):  # a caller's bar, spanning several calls: advance it, leave it open
+        bar, own_bar = progress, False
+    else:
+        bar = tqdm(total=steps, initial=start, disable=not progress or rank != 0, desc="train",
+                   mininterval=1.0, dynamic_ncols=True)
+        own_bar = True
     started = clock = time.perf_counter()
     tokens_since = 0
     for step in range(start, steps):
@@ -509,7 +521,7 @@ def train(
         if total_tokens == 0:
             raise ValueError(f"the micro-batches of step {step} hold no target tokens")
         lr = optimizer.param_groups[0]["lr"]
-        losses = []
+        losses, nlls = [], []
         for j, batch in enumerate(group):
             if world > 1:
                 batch = batch.select(shard_rows(len(batch), rank, world))
@@ -518,27 +530,31 @@ def train(
             with net.no_sync() if world > 1 and not last else contextlib.nullcontext():
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                     log_probs = net(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
-                loss = loss_fn(log_probs.reshape(-1, log_probs.size(-1)), batch.tgt_y.reshape(-1))
+                flat, labels = log_probs.reshape(-1, log_probs.size(-1)), batch.tgt_y.reshape(-1)
+                loss = loss_fn(flat, labels)
                 # DistributedDataParallel averages gradients over processes: multiply by world to get the sum.
                 (loss * (world / total_tokens)).backward()
             losses.append(loss.detach())
+            # The plain cross-entropy -log p(label) too, whatever the loss: comparable with validation losses.
+            nlls.append(-flat.detach().float().gather(1, labels.unsqueeze(1)).squeeze(1)[labels != batch.pad].sum())
         if clip_norm is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:
             scheduler.step()
-        loss_sum = torch.stack(losses).sum()
+        loss_sum = torch.stack([torch.stack(losses).sum(), torch.stack(nlls).sum()])
         if world > 1:
             dist.all_reduce(loss_sum)
-        step_loss = loss_sum.item() / total_tokens
+        step_loss, step_nll = (loss_sum / total_tokens).tolist()
         history["step"].append(step + 1)
         history["loss"].append(step_loss)
+        history["nll"].append(step_nll)
         history["lr"].append(lr)
         history["tokens"].append(total_tokens)
         tokens_since += total_tokens
         bar.update(1)
-        if bar.n == steps or time.perf_counter() - clock >= 1.0:
+        if step + 1 == steps or time.perf_counter() - clock >= 1.0:
             bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}",
                             tok_s=f"{tokens_since / (time.perf_counter() - clock):.0f}")
             clock, tokens_since = time.perf_counter(), 0
@@ -546,7 +562,8 @@ def train(
             step + 1 == steps or (checkpoint_every and (step + 1) % checkpoint_every == 0)
         ):
             save(step + 1)
-    bar.close()
+    if own_bar:
+        bar.close()
     return history
 
 
@@ -678,8 +695,9 @@ def add_train(subparsers) -> None:
     parser.add_argument("--task", choices=TASKS, default="copy",
                         help="what to train: 'copy' copies random sequences; 'multi30k' is the German-to-English "
                              "translator of the translation chapter (default: copy)")
-    parser.add_argument("--profile", choices=["quick", "full", "auto"], default=None,
-                        help="sizes: quick (a CPU), full (a GPU) or auto (full with CUDA); default: AT_PROFILE")
+    parser.add_argument("--profile", choices=["quick", "laptop", "full", "auto"], default=None,
+                        help="sizes: quick (a CPU, about a minute), laptop (--task multi30k only: a real translator "
+                             "on a laptop CPU), full (a GPU) or auto (full with CUDA); default: AT_PROFILE")
     parser.add_argument("--steps", type=int, default=None, help="optimiser steps in total (default: by profile)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="copy task: sequences per micro-batch (default: 128)")
@@ -717,6 +735,8 @@ def run_train(args) -> int:
     """Run ``train`` with parsed arguments: train, then report the loss and the copy accuracy."""
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir")
+    if args.profile == "laptop":
+        raise ValueError("--profile laptop is a profile of --task multi30k; the copy task has quick and full")
     for name in ("steps", "batch_size", "vocab", "seq_len", "layers", "d_model", "warmup"):
         value = getattr(args, name)
         if value is not None and value < 1:

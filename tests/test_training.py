@@ -247,6 +247,40 @@ def test_fused_adam_is_adam():
     assert groups.defaults["betas"] == (0.9, 0.98)
 
 
+def test_label_smoothing_closed_form_equals_the_matrix_form():
+    torch.manual_seed(3)
+    for size, pad, eps in ((7, 0, 0.1), (9, 4, 0.3), (50, 49, 0.0), (12, 0, 0.9)):
+        log_probs = torch.randn(20, size, dtype=torch.float64).log_softmax(-1)
+        target = torch.randint(0, size, (20,))
+        crit = LabelSmoothing(size, pad, eps)
+        q = crit.target_distribution(target, torch.float64)
+        dense = (torch.xlogy(q, q) - q * log_probs.masked_fill(q == 0, 0.0)).sum()
+        torch.testing.assert_close(crit(log_probs, target), dense)
+    # a zero probability on the label: the loss is infinite (not nan) with smoothing as without
+    log_probs = torch.randn(3, 7).log_softmax(-1)
+    log_probs[0, 2] = -math.inf
+    for eps in (0.0, 0.1):
+        assert LabelSmoothing(7, 0, eps)(log_probs, torch.tensor([2, 3, 0])).item() == math.inf
+
+
+def test_train_advances_a_callers_progress_bar_and_records_cross_entropy():
+    import io
+
+    from tqdm import tqdm
+
+    model = tiny_model(seed=5)
+    optimizer = make_optimizer(model)
+    bar = tqdm(total=6, file=io.StringIO(), mininterval=0)
+    kwargs = dict(optimizer=optimizer, loss_fn=LabelSmoothing(11, 0, 0.0), progress=bar)
+    history = train(model, padded_batches(6), steps=3, **kwargs)
+    assert bar.n == 3
+    train(model, padded_batches(6), steps=3, **kwargs)
+    assert bar.n == 6 and not bar.disable      # the same bar, advanced by both calls and left open
+    bar.close()
+    # without smoothing the loss is the cross-entropy of the labels, which `nll` records whatever the loss
+    assert history["nll"] == pytest.approx(history["loss"], rel=1e-5)
+
+
 def test_scheduler_gives_rate_k_to_the_kth_step():
     model = torch.nn.Linear(2, 2)
     optimizer = make_optimizer(model)
