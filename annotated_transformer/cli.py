@@ -57,7 +57,7 @@ COMMANDS = {
     "tangle": ("regenerate (or --check) the package from the book", add_tangle),
     "train": ("train a model (tasks: copy, multi30k)", add_train),
     "translate": ("translate sentences with a trained model (greedy or beam search)", add_translate),
-    "evaluate": ("BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split", add_evaluate),
+    "evaluate": ("BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split or a parallel test set", add_evaluate),
 }
 
 

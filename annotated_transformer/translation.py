@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import platform
@@ -16,6 +17,7 @@ from pathlib import Path
 import sacrebleu
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from annotated_transformer.beam_search import beam_search
 from annotated_transformer.data import (
@@ -35,15 +37,24 @@ from annotated_transformer.training import (
 PROFILES = {
     "quick": dict(
         vocab_size=1000, train_limit=None, max_len=30, N=1, d_model=64, d_ff=128, h=4, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, norm_first=True, embedding_init="normal",
         smoothing=0.1, max_tokens=1000, accumulation_steps=1, steps=350, warmup=60, factor=0.35, clip_norm=None,
         checkpoint_every=25, average=3, eval_every=50, valid_limit=300, test_limit=None, beam_size=4,
-        length_penalty=0.6, seed=0,
+        length_penalty=0.6, sweep=False, seed=0,
+    ),
+    "laptop": dict(
+        vocab_size=8000, train_limit=None, max_len=100, N=3, d_model=256, d_ff=1024, h=4, dropout=0.2,
+        attention_dropout=0.0, activation_dropout=0.0, norm_first=True, embedding_init="normal",
+        smoothing=0.1, max_tokens=2048, accumulation_steps=1, steps=2300, warmup=400, factor=0.5, clip_norm=None,
+        checkpoint_every=100, average=5, eval_every=300, valid_limit=None, test_limit=None, beam_size=4,
+        length_penalty=0.6, sweep=True, seed=0,
     ),
     "full": dict(
         vocab_size=8000, train_limit=None, max_len=100, N=3, d_model=512, d_ff=2048, h=8, dropout=0.3,
+        attention_dropout=0.3, activation_dropout=0.3, norm_first=True, embedding_init="normal",
         smoothing=0.1, max_tokens=8192, accumulation_steps=1, steps=5000, warmup=1000, factor=0.5, clip_norm=None,
         checkpoint_every=250, average=5, eval_every=500, valid_limit=None, test_limit=None, beam_size=4,
-        length_penalty=0.6, seed=0,
+        length_penalty=0.6, sweep=True, seed=0,
     ),
 }
 POSITIVE = ("vocab_size", "N", "d_model", "d_ff", "h", "max_tokens", "accumulation_steps", "steps", "warmup",
@@ -55,7 +66,7 @@ def translation_config(profile: str | None = None, **overrides) -> dict:
 
     The result also names its profile (``config["profile"]``).
     """
-    name = get_profile(profile)
+    name = profile if profile == "laptop" else get_profile(profile)
     config = dict(PROFILES[name], profile=name)
     for key, value in overrides.items():
         if key not in PROFILES[name]:
@@ -68,8 +79,14 @@ def translation_config(profile: str | None = None, **overrides) -> dict:
     if config["eval_every"] % config["checkpoint_every"] != 0:
         raise ValueError(f"eval_every ({config['eval_every']}) must be a multiple of checkpoint_every "
                          f"({config['checkpoint_every']}): validation happens at checkpoints")
-    if not 0.0 <= config["dropout"] < 1.0 or not 0.0 <= config["smoothing"] < 1.0:
-        raise ValueError(f"dropout and smoothing must lie in [0, 1), got {config['dropout']} and {config['smoothing']}")
+    for key in ("dropout", "attention_dropout", "activation_dropout", "smoothing"):
+        if not 0.0 <= config[key] < 1.0:
+            raise ValueError(f"{key} must lie in [0, 1), got {config[key]!r}")
+    for key in ("norm_first", "sweep"):
+        if not isinstance(config[key], bool):
+            raise TypeError(f"{key} must be True or False, got {config[key]!r}")
+    if config["embedding_init"] not in ("normal", "xavier"):
+        raise ValueError(f"embedding_init must be 'normal' or 'xavier', got {config['embedding_init']!r}")
     return config
 
 
@@ -87,8 +104,12 @@ def prepare_data(config: dict):
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, examples, max_tokens: int = 4096) -> float:
-    """Mean cross-entropy (nats per target token, </s> included) of ``examples``, teacher-forced, in eval mode."""
+def validation_loss(model: nn.Module, examples, max_tokens: int = 4096, *, shuffle_sources: bool = False) -> float:
+    """Mean cross-entropy (nats per target token, </s> included) of ``examples``, teacher-forced, in eval mode.
+
+    ``shuffle_sources=True`` gives every target the source of its neighbour in the batch (the batches are the
+    same): a model that reads its source does much worse then, a model that ignores it does just as well.
+    """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -96,7 +117,10 @@ def validation_loss(model: nn.Module, examples, max_tokens: int = 4096) -> float
     total, count = 0.0, 0
     for indices in token_batches(lengths, max(max_tokens, max(max(pair) for pair in lengths)), shuffle=False):
         batch = collate(examples, indices).to(device)
-        log_probs = model.generator(model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)).float()
+        src, src_mask = batch.src, batch.src_mask
+        if shuffle_sources:
+            src, src_mask = src.roll(1, dims=0), src_mask.roll(1, dims=0)
+        log_probs = model.generator(model(src, batch.tgt, src_mask, batch.tgt_mask)).float()
         total += nn.functional.nll_loss(log_probs.reshape(-1, log_probs.size(-1)), batch.tgt_y.reshape(-1),
                                         ignore_index=PAD_ID, reduction="sum").item()
         count += batch.ntokens
@@ -168,7 +192,9 @@ def train_translator(config: dict, checkpoint_dir, *, device=None, amp: bool | N
 
     vocab = tokenizer.get_piece_size()
     model = make_model(vocab, vocab, N=config["N"], d_model=config["d_model"], d_ff=config["d_ff"], h=config["h"],
-                       dropout=config["dropout"], share_embeddings=True).to(device)
+                       dropout=config["dropout"], attention_dropout=config["attention_dropout"],
+                       activation_dropout=config["activation_dropout"], norm_first=config["norm_first"],
+                       embedding_init=config["embedding_init"], share_embeddings=True).to(device)
     optimizer = make_optimizer(model)
     scheduler = make_scheduler(optimizer, config["d_model"], factor=config["factor"], warmup=config["warmup"])
     loss_fn = LabelSmoothing(vocab, PAD_ID, config["smoothing"])
@@ -178,33 +204,43 @@ def train_translator(config: dict, checkpoint_dir, *, device=None, amp: bool | N
     done = load_checkpoint(latest)["step"] if latest is not None else 0
     valid = json.loads(valid_file.read_text()) if done and valid_file.exists() else {"step": [], "loss": []}
     steps, every = config["steps"], config["eval_every"]
+    # One progress bar for the whole run (its ETA is the run's); validation lines are printed above it.
+    bar = tqdm(total=steps, initial=done, desc="train", disable=not progress, mininterval=1.0, dynamic_ncols=True)
+    say = bar.write if progress and log is print else log  # print above the bar, not through it
     for end in [*range(every, steps, every), steps]:
         if end <= done:
             continue
         train(model, batches, steps=end, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn,
               accumulation_steps=config["accumulation_steps"], clip_norm=config["clip_norm"], device=device,
               amp=amp, checkpoint_dir=folder, checkpoint_every=config["checkpoint_every"],
-              keep_last=config["average"], resume=done > 0, progress=progress)
+              keep_last=config["average"], resume=done > 0, progress=bar if progress else False)
         done = end
         loss = validation_loss(model, valid_examples)
         valid["step"].append(end)
         valid["loss"].append(loss)
         valid_file.write_text(json.dumps(valid))
-        log(f"step {end:6d}: validation loss {loss:.3f} nats per token (perplexity {math.exp(loss):.1f})")
+        say(f"step {end:6d}: validation loss {loss:.3f} nats per token (perplexity {math.exp(loss):.1f})")
+    bar.close()
 
     last = load_checkpoint(latest_checkpoint(folder))
-    load_model_state(model, last)
-    last_loss = validation_loss(model, valid_examples)
-    paths = list_checkpoints(folder)[-config["average"]:]
-    model.load_state_dict(average_checkpoints(paths))
-    averaged_loss = validation_loss(model, valid_examples)
-    log(f"validation loss: last checkpoint {last_loss:.3f}, average of {len(paths)} {averaged_loss:.3f}")
+    kept = list_checkpoints(folder)[-config["average"]:]
+    averaging = {"checkpoints": [], "loss": []}        # validation loss of the mean of the newest k checkpoints
+    for k in range(1, len(kept) + 1):
+        model.load_state_dict(average_checkpoints(kept[-k:]))
+        averaging["checkpoints"].append(k)
+        averaging["loss"].append(validation_loss(model, valid_examples))
+    last_loss, averaged_loss = averaging["loss"][0], averaging["loss"][-1]
+    shuffled_loss = validation_loss(model, valid_examples, shuffle_sources=True)
+    log(f"validation loss: last checkpoint {last_loss:.3f}, average of {len(kept)} {averaged_loss:.3f} "
+        f"({shuffled_loss:.3f} with the sources shuffled: the model reads its source if this is clearly higher)")
     history = last["extra"].get("history", {})
     path = save_translator(folder / "average.pt", model, tokenizer, step=last["step"],
-                           extra={"averaged": [p.name for p in paths], "history": history, "valid": valid})
+                           extra={"averaged": [p.name for p in kept], "history": history, "valid": valid})
     return dict(model=model.eval(), tokenizer=tokenizer, history=history, valid=valid, last_valid_loss=last_loss,
-                averaged_valid_loss=averaged_loss, averaged=[p.name for p in paths], checkpoint=path,
-                train_examples=len(train_examples), train_seconds=last["extra"].get("train_seconds", 0.0),
+                averaged_valid_loss=averaged_loss, shuffled_valid_loss=shuffled_loss, averaged=[p.name for p in kept],
+                averaging=averaging,
+                checkpoint=path, train_examples=len(train_examples),
+                train_seconds=last["extra"].get("train_seconds", 0.0),
                 parameters=sum(p.numel() for p in model.parameters()))
 
 
@@ -383,12 +419,13 @@ def describe_device(device) -> str:
 
 def thin(history: dict, points: int = 400) -> dict:
     """The training history averaged over windows, at most ``points`` points: small enough for a results file."""
-    steps, losses = history.get("step", []), history.get("loss", [])
+    steps = history.get("step", [])
     window = max(1, math.ceil(len(steps) / points))
-    return {
-        "step": [steps[min(i + window, len(steps)) - 1] for i in range(0, len(steps), window)],
-        "loss": [sum(losses[i : i + window]) / len(losses[i : i + window]) for i in range(0, len(losses), window)],
-    }
+    thinned = {"step": [steps[min(i + window, len(steps)) - 1] for i in range(0, len(steps), window)]}
+    for key in ("loss", "nll"):
+        values = history.get(key, [])
+        thinned[key] = [sum(values[i : i + window]) / len(values[i : i + window]) for i in range(0, len(values), window)]
+    return thinned
 
 
 def write_results(path, results: dict) -> Path:
@@ -404,12 +441,29 @@ def write_results(path, results: dict) -> Path:
     return path
 
 
+SWEEP = [(1, 0.6), (2, 0.6), (4, 0.6), (8, 0.6), (4, 0.0), (4, 1.0), (8, 1.0)]
+
+
+def decoding_sweep(model: nn.Module, tokenizer, pairs, settings=SWEEP, log=print) -> list[dict]:
+    """BLEU, length ratio and time of each (beam size, length penalty) in ``settings`` on ``pairs``."""
+    rows = []
+    for beam_size, alpha in settings:
+        scores = evaluate_bleu(model, tokenizer, pairs, beam_size=beam_size, length_penalty=alpha)
+        rows.append(dict(beam_size=beam_size, length_penalty=alpha, bleu=scores["bleu"],
+                         length_ratio=round(scores["hyp_len"] / scores["ref_len"], 4), seconds=scores["seconds"]))
+        log(f"  beam {beam_size}, alpha {alpha}: BLEU {scores['bleu']:.2f}, length ratio {rows[-1]['length_ratio']:.3f}")
+    return rows
+
+
 def run_experiment(config: dict, checkpoint_dir, *, results_path=None, device=None, amp: bool | None = None,
-                   resume: bool = False, progress: bool = True, command: str | None = None, examples: int = 5,
-                   attention_example: int = 3, log=print):
+                   resume: bool = False, progress: bool = True, command: str | None = None, examples: int = 10,
+                   attention_examples=(3, 7), log=print):
     """Train, average, evaluate greedy and beam search on test2016; return (results, trained).
 
-    ``results`` is JSON-ready (written to ``results_path`` if given, without the hypotheses); ``trained`` is what
+    With ``config["sweep"]``, the beam sizes and length penalties of ``SWEEP`` are also scored on the validation
+    set, the best of them on it is scored on the test set too (``test["beam_tuned"]``; ``test["beam"]`` keeps the
+    configured setting), and the test set's beam hypotheses are kept for error analysis.
+    ``results`` is JSON-ready (written to ``results_path`` if given); ``trained`` is what
     :func:`train_translator` returned (model, tokenizer, ...).
     """
     started = time.perf_counter()
@@ -436,11 +490,24 @@ def run_experiment(config: dict, checkpoint_dir, *, results_path=None, device=No
         test={"split": SPLITS["test"], "greedy": greedy, "beam": beam},
         examples=[dict(source=s, reference=r, greedy=g, beam=b)
                   for (s, r), g, b in zip(test[:examples], greedy["hypotheses"], beam["hypotheses"])],
-        attention=cross_attention_example(model, tokenizer, test[min(attention_example, len(test) - 1)][0],
-                                          beam_size=config["beam_size"],
-                                          length_penalty=config["length_penalty"]),
+        attention=[cross_attention_example(model, tokenizer, test[min(i, len(test) - 1)][0],
+                                           beam_size=config["beam_size"], length_penalty=config["length_penalty"])
+                   for i in attention_examples],
+        averaging=trained["averaging"], valid_loss_shuffled_sources=trained["shuffled_valid_loss"],
         date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     )
+    if config["sweep"]:
+        log("decoding settings on the validation set:")
+        rows = decoding_sweep(model, tokenizer, load_split("valid"), log=log)
+        best = max(rows, key=lambda row: row["bleu"])            # chosen on the validation set, never on test
+        chosen = dict(beam_size=best["beam_size"], length_penalty=best["length_penalty"])
+        results["sweep"] = {"split": SPLITS["valid"], "rows": rows, "chosen": chosen}
+        tuned = evaluate_bleu(model, tokenizer, test, **chosen)
+        log(f"test2016 BLEU (beam {chosen['beam_size']}, alpha {chosen['length_penalty']}, chosen on the validation "
+            f"set): {tuned['bleu']:.2f}  {tuned['signature']}")
+        results["test"]["beam_tuned"] = tuned
+        results["test_beam_translations"] = beam["hypotheses"]
+        results["total_seconds"] = round(time.perf_counter() - started, 1)
     if results_path is not None:
         log(f"results: {write_results(results_path, results)}")
     return results, trained
@@ -454,7 +521,13 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-len", type=int, help="leave out training pairs longer than this many pieces")
     group.add_argument("--d-ff", type=int, help="inner size of the feed-forward layers")
     group.add_argument("--heads", type=int, help="attention heads h")
-    group.add_argument("--dropout", type=float, help="dropout probability")
+    group.add_argument("--dropout", type=float, help="residual dropout probability (the paper's)")
+    group.add_argument("--attention-dropout", type=float, help="dropout on the attention weights")
+    group.add_argument("--activation-dropout", type=float, help="dropout inside the feed-forward networks")
+    group.add_argument("--norm-first", action=argparse.BooleanOptionalAction, default=None,
+                       help="pre-norm (--norm-first) or the paper's post-norm (--no-norm-first)")
+    group.add_argument("--embedding-init", choices=["normal", "xavier"],
+                       help="the embedding table's initialisation: N(0, 1/d_model) or Xavier")
     group.add_argument("--max-tokens", type=int, help="padded tokens per side in a micro-batch")
     group.add_argument("--average", type=int, help="average the last N checkpoints")
     group.add_argument("--eval-every", type=int,
@@ -463,6 +536,8 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--test-limit", type=int, help="BLEU on the first N test pairs only")
     group.add_argument("--beam-size", type=int, help="beam size for the final evaluation")
     group.add_argument("--length-penalty", type=float, help="length penalty alpha of beam search")
+    group.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None,
+                       help="also score beam sizes and length penalties on the validation set")
     group.add_argument("--results", help="write the results (JSON) to this file")
 
 
@@ -476,11 +551,13 @@ def config_from_args(args) -> dict:
     return translation_config(
         get("profile"), vocab_size=get("vocab_size"), train_limit=get("train_limit"), max_len=get("max_len"),
         N=get("layers"), d_model=get("d_model"), d_ff=get("d_ff"), h=get("heads"), dropout=get("dropout"),
+        attention_dropout=get("attention_dropout"), activation_dropout=get("activation_dropout"),
+        norm_first=get("norm_first"), embedding_init=get("embedding_init"),
         smoothing=get("smoothing"), max_tokens=get("max_tokens"), accumulation_steps=get("accumulation_steps"),
         steps=get("steps"), warmup=get("warmup"), factor=get("factor"), clip_norm=get("clip_norm"),
         checkpoint_every=get("checkpoint_every") or None, average=get("average"), eval_every=get("eval_every"),
         valid_limit=get("valid_limit"), test_limit=get("test_limit"), beam_size=get("beam_size"),
-        length_penalty=get("length_penalty"), seed=get("seed"),
+        length_penalty=get("length_penalty"), sweep=get("sweep"), seed=get("seed"),
     )
 
 
@@ -507,15 +584,20 @@ def run_train(args) -> int:
 
 
 def add_evaluate(subparsers) -> None:
-    """Register ``evaluate``: BLEU of a translation checkpoint on a Multi30k split."""
+    """Register ``evaluate``: BLEU of a translation checkpoint on a Multi30k split or any parallel test set."""
     parser = subparsers.add_parser(
-        "evaluate", help="BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split",
-        description="Translate a Multi30k split with a checkpoint written by 'train --task multi30k' and print "
-                    "corpus BLEU (detokenised, cased) and lower-cased BLEU, each with its sacreBLEU signature.",
+        "evaluate", help="BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split or a parallel test set",
+        description="Translate a Multi30k split, or any German-English parallel test set (--source and "
+                    "--reference), with a checkpoint written by 'train --task multi30k' and print corpus BLEU "
+                    "(detokenised, cased) and lower-cased BLEU, each with its sacreBLEU signature.",
     )
     parser.add_argument("--checkpoint", required=True, help="a translation checkpoint (average.pt, or step_*.pt)")
-    parser.add_argument("--split", choices=sorted(SPLITS), default="test",
+    parser.add_argument("--split", choices=sorted(SPLITS), default=None,
                         help="valid, test (the 2016 Flickr test set) or train (default: test)")
+    parser.add_argument("--source", default=None,
+                        help="a German text file, one sentence a line (plain or .gz); needs --reference")
+    parser.add_argument("--reference", default=None,
+                        help="its English reference translations, line by line (plain or .gz)")
     parser.add_argument("--beam-size", type=int, default=1, help="1 for greedy search (default: 1)")
     parser.add_argument("--length-penalty", type=float, default=0.6, help="beam search's alpha (default: 0.6)")
     parser.add_argument("--limit", type=int, default=None, help="score the first N pairs only (default: all)")
@@ -525,16 +607,55 @@ def add_evaluate(subparsers) -> None:
     parser.set_defaults(run=run_evaluate)
 
 
+def read_text_lines(path) -> list[str]:
+    """The lines of a UTF-8 text file, plain or gzip-compressed (by its ``.gz`` suffix), without line ends."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no file at {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8", newline="\n") as stream:
+            return [line.rstrip("\r\n") for line in stream]
+    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as error:
+        raise ValueError(f"{path} is not a UTF-8 text file{' compressed with gzip' if path.suffix == '.gz' else ''}: "
+                         f"{error}") from None
+
+
+def read_parallel(source, reference) -> list[tuple[str, str]]:
+    """(German, English) pairs from two line-aligned files; refuse files of different lengths or empty lines."""
+    sources, references = read_text_lines(source), read_text_lines(reference)
+    if len(sources) != len(references):
+        raise ValueError(f"{source} has {len(sources)} lines but {reference} has {len(references)}: "
+                         "a parallel test set has one reference line per source line")
+    if not sources:
+        raise ValueError(f"{source} is empty: there is nothing to evaluate")
+    for number, (german, english) in enumerate(zip(sources, references), start=1):
+        if not german.strip():
+            raise ValueError(f"line {number} of {source} is empty: there is nothing to translate")
+        if not english.strip():
+            raise ValueError(f"line {number} of {reference} is empty: every source needs a reference")
+    return list(zip(sources, references))
+
+
 def run_evaluate(args) -> int:
     """Run ``evaluate`` with parsed arguments; print the scores and their signatures."""
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be a positive integer, got {args.limit}")
+    if (args.source is None) != (args.reference is None):
+        raise ValueError("--source and --reference go together: give both files, or neither (for --split)")
+    if args.source is not None and args.split is not None:
+        raise ValueError("give either --split or --source and --reference, not both")
+    if args.source is not None:
+        pairs, name = read_parallel(args.source, args.reference), Path(args.source).name
+    else:
+        name = args.split or "test"
+        pairs = load_split(name)
+    pairs = pairs[: args.limit]
     model, tokenizer, _ = load_translator(args.checkpoint, args.device)
-    pairs = load_split(args.split)[: args.limit]
     scores = evaluate_bleu(model, tokenizer, pairs, beam_size=args.beam_size, length_penalty=args.length_penalty,
                            batch_size=args.batch_size)
     search = "greedy" if args.beam_size == 1 else f"beam {args.beam_size}, alpha {args.length_penalty}"
-    print(f"{args.split} ({len(pairs)} sentences, {search}): BLEU {scores['bleu']:.2f}  {scores['signature']}")
+    print(f"{name} ({len(pairs)} sentences, {search}): BLEU {scores['bleu']:.2f}  {scores['signature']}")
     print(f"lower-cased BLEU {scores['bleu_lowercase']:.2f}  {scores['signature_lowercase']}")
     if args.output:
         Path(args.output).write_text("".join(h + "\n" for h in scores["hypotheses"]), encoding="utf-8")

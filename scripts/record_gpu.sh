@@ -55,12 +55,13 @@ prepare)
     ;;
 translation)
     enter_step
-    # the command of the translation chapter's "full run" section, verbatim; a run that was cut off (by a time
-    # limit on the machine, say) continues from its last checkpoint when the step is run again
+    # the full-profile command of the translation chapter's "recorded runs" section (with --no-progress for a log);
+    # a run that was cut off (by a time limit on the machine, say) continues from its last checkpoint when the
+    # step is run again
     resume=()
     if compgen -G "$RUNS/multi30k-full/step_*.pt" >/dev/null; then resume=(--resume); fi
-    "$PYTHON" -m annotated_transformer train --task multi30k --profile "$AT_PROFILE" --layers 3 --smoothing 0.1 \
-        --factor 0.5 --checkpoint-dir "$RUNS/multi30k-full" --results "$RESULTS/multi30k-full.json" --no-progress \
+    "$PYTHON" -m annotated_transformer train --task multi30k --profile "$AT_PROFILE" \
+        --checkpoint-dir "$RUNS/multi30k-full" --results "$RESULTS/multi30k-full.json" --no-progress \
         "${resume[@]}" "$@" 2>&1 | tee -a "$OUT/translation.log"
     [ "$RESULTS" = "$OUT/results" ] || cp "$RESULTS/multi30k-full.json" "$OUT/"
     ;;

@@ -58,10 +58,20 @@ def run(environment, tmp_path_factory):
 
 
 def test_config_profiles_and_overrides():
-    quick, full = translation_config("quick"), translation_config("full")
-    assert quick["profile"] == "quick" and full["profile"] == "full"
+    quick, full, laptop = translation_config("quick"), translation_config("full"), translation_config("laptop")
+    assert quick["profile"] == "quick" and full["profile"] == "full" and laptop["profile"] == "laptop"
     assert full["d_model"] == 512 and full["N"] == 3 and full["vocab_size"] == 8000 and full["smoothing"] == 0.1
-    assert set(PROFILES["quick"]) == set(PROFILES["full"])
+    assert laptop["d_model"] == 256 and laptop["N"] == 3 and laptop["max_tokens"] == 2048
+    assert set(PROFILES["quick"]) == set(PROFILES["full"]) == set(PROFILES["laptop"])
+    # one recipe: pre-norm and N(0, 1/d_model) embeddings everywhere
+    assert all(c["norm_first"] and c["embedding_init"] == "normal" for c in (quick, laptop, full))
+    assert translation_config("laptop", norm_first=False)["norm_first"] is False
+    with pytest.raises(TypeError, match="norm_first must be True or False"):
+        translation_config("quick", norm_first="yes")
+    with pytest.raises(ValueError, match="embedding_init"):
+        translation_config("quick", embedding_init="uniform")
+    with pytest.raises(ValueError, match="attention_dropout"):
+        translation_config("quick", attention_dropout=1.0)
     assert translation_config("quick", steps=7, N=None)["steps"] == 7  # None keeps the profile's value
     with pytest.raises(ValueError, match="unknown setting 'layers'"):
         translation_config("quick", layers=2)
@@ -91,8 +101,17 @@ def test_end_to_end_results(run):
         "average.pt", "step_00000025.pt", "step_00000030.pt", "tokenizer.model", "valid.json"]
     written = json.loads(results_file.read_text())
     assert written["config"]["d_model"] == 32 and written["device"].startswith("cpu")
-    assert "hypotheses" not in written["test"]["greedy"] and len(written["examples"]) == 5
+    assert "hypotheses" not in written["test"]["greedy"] and len(written["examples"]) == 10
     assert written["test"]["beam"]["bleu"] == results["test"]["beam"]["bleu"]
+    assert written["config"]["norm_first"] is True and written["config"]["embedding_init"] == "normal"
+    assert len(written["history"]["nll"]) == len(written["history"]["step"])
+    assert all(0 < n < 10 for n in written["history"]["nll"])        # nats per token, near log(500) at first
+    assert written["averaging"]["checkpoints"] == [1, 2]
+    assert written["averaging"]["loss"][0] == pytest.approx(written["valid_loss_last"])
+    assert written["averaging"]["loss"][-1] == pytest.approx(written["valid_loss_averaged"])
+    assert isinstance(written["valid_loss_shuffled_sources"], float)
+    assert [a["sentence"] for a in written["attention"]] == [results["examples"][i]["source"] for i in (3, 7)]
+    assert "sweep" not in written and "test_beam_translations" not in written   # the quick profile does not sweep
 
 
 def test_averaged_checkpoint_is_the_mean_of_the_last_ones(run):
@@ -236,6 +255,18 @@ def test_command_line_train_and_evaluate(environment, tmp_path, monkeypatch, cap
     out = capsys.readouterr().out
     assert "test2016 BLEU (greedy)" in out and "nrefs:1|case:mixed" in out and "average.pt" in out
     assert json.loads((tmp_path / "r.json").read_text())["config"]["steps"] == 10
+    args = parser.parse_args(["train", "--task", "multi30k", "--profile", "quick", *options, "--no-norm-first",
+                              "--embedding-init", "xavier", "--attention-dropout", "0.1", "--activation-dropout", "0.05",
+                              "--checkpoint-dir", str(tmp_path / "post"), "--results", str(tmp_path / "post.json")])
+    config = config_from_args(args)
+    assert config["norm_first"] is False and config["embedding_init"] == "xavier"
+    assert run_train(args) == 0
+    capsys.readouterr()
+    recorded = json.loads((tmp_path / "post.json").read_text())
+    assert recorded["config"]["norm_first"] is False and "norm_first" in recorded["changed"]
+    model_config = load_checkpoint(tmp_path / "post" / "average.pt")["config"]
+    assert model_config["norm_first"] is False and model_config["embedding_init"] == "xavier"
+    assert model_config["attention_dropout"] == 0.1 and model_config["activation_dropout"] == 0.05
 
     args = parser.parse_args(["evaluate", "--checkpoint", str(tmp_path / "run" / "average.pt"), "--split", "valid",
                               "--limit", "8", "--beam-size", "2", "--device", "cpu",
@@ -244,6 +275,40 @@ def test_command_line_train_and_evaluate(environment, tmp_path, monkeypatch, cap
     out = capsys.readouterr().out
     assert "valid (8 sentences, beam 2, alpha 0.6): BLEU" in out and "case:lc" in out
     assert len((tmp_path / "hyp.txt").read_text().splitlines()) == 8
+
+    # any parallel test set: plain or gzip-compressed files, one sentence a line
+    import gzip
+
+    from annotated_transformer.data import load_split
+
+    pairs = load_split("valid")[:6]
+    (tmp_path / "src.de").write_text("".join(de + "\n" for de, _ in pairs), encoding="utf-8")
+    with gzip.open(tmp_path / "ref.en.gz", "wt", encoding="utf-8") as stream:
+        stream.write("".join(en + "\n" for _, en in pairs))
+    checkpoint = str(tmp_path / "run" / "average.pt")
+    args = parser.parse_args(["evaluate", "--checkpoint", checkpoint, "--source", str(tmp_path / "src.de"),
+                              "--reference", str(tmp_path / "ref.en.gz"), "--device", "cpu"])
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    assert "src.de (6 sentences, greedy): BLEU" in out and "nrefs:1|case:mixed" in out
+    split_args = parser.parse_args(["evaluate", "--checkpoint", checkpoint, "--split", "valid", "--limit", "6",
+                                    "--device", "cpu"])
+    assert split_args.run(split_args) == 0
+    assert capsys.readouterr().out.split("BLEU")[1] == out.split("BLEU")[1]   # the same six pairs, the same score
+    (tmp_path / "short.en").write_text("one line\n", encoding="utf-8")
+    (tmp_path / "gap.en").write_text("".join(("" if i == 2 else en) + "\n" for i, (_, en) in enumerate(pairs)))
+    for extra, message in (([ "--source", str(tmp_path / "src.de")], "go together"),
+                           (["--source", str(tmp_path / "src.de"), "--reference", str(tmp_path / "short.en")],
+                            "has 6 lines but"),
+                           (["--source", str(tmp_path / "src.de"), "--reference", str(tmp_path / "gap.en")],
+                            "line 3 of"),
+                           (["--source", str(tmp_path / "none.de"), "--reference", str(tmp_path / "short.en")],
+                            "no file at"),
+                           (["--source", str(tmp_path / "src.de"), "--reference", str(tmp_path / "ref.en.gz"),
+                             "--split", "test"], "not both")):
+        args = parser.parse_args(["evaluate", "--checkpoint", checkpoint, *extra])
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            args.run(args)
 
     no_folder = parser.parse_args(["train", "--task", "multi30k", *options])
     with pytest.raises(ValueError, match="needs --checkpoint-dir"):
@@ -279,3 +344,28 @@ def test_python_dash_m_where_wired(environment, tmp_path, capsys):
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "test (8 sentences, greedy): BLEU" in result.stdout and "nrefs:1|case:mixed" in result.stdout
+
+
+def test_the_recipe_reads_its_source(environment, tmp_path):
+    """The collapse of the 2022 recipe on Multi30k: a model that learns the English side alone and ignores the
+    German. Its validation loss is the same whether each target gets its own source or its neighbour's. The
+    quick profile's recipe, trained for a few seconds, must already do clearly better with the true sources;
+    and the check fails for a model that cannot read its source (cross-attention outputs cut off)."""
+    torch.set_num_threads(1)
+    config = translation_config("quick", steps=250, valid_limit=200, eval_every=250, checkpoint_every=250, average=1)
+    trained = train_translator(config, tmp_path / "run", device="cpu", progress=False, log=lambda message: None)
+    true_loss, shuffled_loss = trained["averaged_valid_loss"], trained["shuffled_valid_loss"]
+    print(f"validation loss {true_loss:.3f}, with shuffled sources {shuffled_loss:.3f}")
+    assert shuffled_loss > true_loss + 0.25, (true_loss, shuffled_loss)
+
+    from annotated_transformer.data import encode_pairs, load_split
+    from annotated_transformer.translation import validation_loss
+
+    model, tokenizer = trained["model"], trained["tokenizer"]
+    examples = encode_pairs(load_split("valid")[:200], tokenizer)
+    with torch.no_grad():
+        for layer in model.decoder.layers:              # the decoder no longer sees the encoder's output
+            layer.src_attn.w_o.weight.zero_()
+            layer.src_attn.w_o.bias.zero_()
+    blind, blind_shuffled = validation_loss(model, examples), validation_loss(model, examples, shuffle_sources=True)
+    assert abs(blind - blind_shuffled) < 1e-4         # the check cannot tell sources apart: it would fail
