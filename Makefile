@@ -6,7 +6,9 @@ STAMP  := $(VENV)/.installed
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export PYTHONUNBUFFERED := 1
-export MPLBACKEND := Agg
+# No MPLBACKEND here: a Jupyter kernel shows figures only with its own inline backend, which an exported
+# MPLBACKEND (such as Agg) replaces, and then the book's pages have no figures. Outside Jupyter, on a machine without
+# a display, matplotlib picks Agg by itself.
 # Chapters and tests run JOBS at a time; one math thread each keeps them from fighting over the cores.
 export OMP_NUM_THREADS ?= 1
 

@@ -441,6 +441,21 @@ def test_pages_use_local_files_only(site: Path) -> None:
 
 @pytest.mark.site
 @pytest.mark.parametrize("page", PAGES)
+def test_figures_are_on_the_page(page: str, site: Path) -> None:
+    """A chapter that draws figures (plt.show()) has images on its page: an exported MPLBACKEND such as Agg would
+    silently replace the kernel's inline backend, and the book would build without a single figure."""
+    source = (ROOT / Path(page).with_suffix(".md")).read_text(encoding="utf-8")
+    shows = source.count("plt.show()")
+    if not shows:
+        pytest.skip(f"{page} draws no figures")
+    if not (site / page).is_file():
+        pytest.fail(f"{page} was not built", pytrace=False)
+    images = (site / page).read_text(encoding="utf-8").count("<img")
+    assert images >= 1, f"{page}: its chapter calls plt.show() {shows} times, but the page has no image"
+
+
+@pytest.mark.site
+@pytest.mark.parametrize("page", PAGES)
 def test_page_in_browser(page: str, site: Path, browser_results: dict[str, dict]) -> None:
     """In Chromium, offline: every formula is typeset by the site's own MathJax and every image loads."""
     if not (site / page).is_file():
