@@ -26,7 +26,7 @@ from annotated_transformer.data import (
 )
 from annotated_transformer.decoding import greedy_decode
 from annotated_transformer.masks import padding_mask, target_mask
-from annotated_transformer.model import make_model
+from annotated_transformer.model import EMBEDDING_INITS, make_model
 from annotated_transformer.runtime import get_device, get_profile, seed_everything
 from annotated_transformer.training import (
     LabelSmoothing, average_checkpoints, latest_checkpoint, list_checkpoints, load_checkpoint, load_model_state,
@@ -85,8 +85,8 @@ def translation_config(profile: str | None = None, **overrides) -> dict:
     for key in ("norm_first", "sweep"):
         if not isinstance(config[key], bool):
             raise TypeError(f"{key} must be True or False, got {config[key]!r}")
-    if config["embedding_init"] not in ("normal", "xavier"):
-        raise ValueError(f"embedding_init must be 'normal' or 'xavier', got {config['embedding_init']!r}")
+    if config["embedding_init"] not in EMBEDDING_INITS:
+        raise ValueError(f"embedding_init must be one of {EMBEDDING_INITS}, got {config['embedding_init']!r}")
     return config
 
 
@@ -526,7 +526,7 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--activation-dropout", type=float, help="dropout inside the feed-forward networks")
     group.add_argument("--norm-first", action=argparse.BooleanOptionalAction, default=None,
                        help="pre-norm (--norm-first) or the paper's post-norm (--no-norm-first)")
-    group.add_argument("--embedding-init", choices=["normal", "xavier"],
+    group.add_argument("--embedding-init", choices=EMBEDDING_INITS,
                        help="the embedding table's initialisation: N(0, 1/d_model) or Xavier")
     group.add_argument("--max-tokens", type=int, help="padded tokens per side in a micro-batch")
     group.add_argument("--average", type=int, help="average the last N checkpoints")
