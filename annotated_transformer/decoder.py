@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from annotated_transformer.attention import KVCache
-from annotated_transformer.encoder import check_module, stack
+from annotated_transformer.encoder import stack
+from annotated_transformer.runtime import check_module
 from annotated_transformer.sublayers import SublayerConnection, clones
 
 

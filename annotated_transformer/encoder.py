@@ -7,12 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from annotated_transformer.runtime import check_module
 from annotated_transformer.sublayers import LayerNorm, SublayerConnection, clones
-
-
-def check_module(name: str, value) -> None:
-    if not isinstance(value, nn.Module):
-        raise TypeError(f"{name} must be an nn.Module, got {type(value).__name__}")
 
 
 class EncoderLayer(nn.Module):

@@ -4,19 +4,9 @@
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
-
-def _as_int(value, name: str) -> int:
-    """``value`` as a Python int (ints, NumPy integers and 0-d integer tensors are accepted)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got a bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+from annotated_transformer.runtime import as_int
 
 
 def _check_tokens(tokens, name: str) -> None:
@@ -34,7 +24,7 @@ def subsequent_mask(size: int, device: torch.device | str | None = None) -> torc
 
     Entry [0, i, j] is True when query i may attend to key j, that is when j <= i.
     """
-    size = _as_int(size, "size")
+    size = as_int(size, "size")
     if size < 0:
         raise ValueError(f"size must be >= 0, got {size}")
     return torch.ones(1, size, size, dtype=torch.bool, device=device).tril()
@@ -47,7 +37,7 @@ def padding_mask(tokens: torch.Tensor, pad: int) -> torch.Tensor:
     size 1 broadcasts over the queries, so padding is masked as a *key* for every query.
     """
     _check_tokens(tokens, "tokens")
-    pad = _as_int(pad, "pad")
+    pad = as_int(pad, "pad")
     return (tokens != pad).unsqueeze(-2)
 
 

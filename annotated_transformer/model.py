@@ -14,7 +14,8 @@ from annotated_transformer.decoder import Decoder, DecoderCache, DecoderLayer
 from annotated_transformer.embeddings import Embeddings, Generator
 from annotated_transformer.encoder import Encoder, EncoderLayer
 from annotated_transformer.feed_forward import PositionwiseFeedForward
-from annotated_transformer.positional import PositionalEncoding, check_size
+from annotated_transformer.positional import PositionalEncoding
+from annotated_transformer.runtime import check_size
 
 EMBEDDING_INITS = ("normal", "xavier")
 

@@ -7,13 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def check_size(name: str, value) -> None:
-    """Raise a TypeError unless ``value`` is an int (not a bool), and a ValueError unless it is positive."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
+from annotated_transformer.runtime import check_size
 
 
 def sinusoid_table(max_len: int, d_model: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -4,8 +4,12 @@
 
 from __future__ import annotations
 
+import operator
 import os
+import platform
 import random
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -88,3 +92,55 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+
+
+def describe_device(device) -> str:
+    """A readable name of ``device``: ``"cuda (NVIDIA H100 ...)"``, or ``"cpu (<model>, 2 threads)"``."""
+    device = get_device(device)
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    name = platform.processor() or platform.machine() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    threads = torch.get_num_threads()
+    return f"{device.type} ({name}, {threads} thread{'' if threads == 1 else 's'})"
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module):
+    """``with evaluating(model):`` runs the block in evaluation mode and restores the model's mode afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def as_int(value, name: str) -> int:
+    """``value`` as a Python int (ints, NumPy integers and 0-d integer tensors); a TypeError names ``name``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+
+
+def check_size(name: str, value) -> None:
+    """Raise a TypeError unless ``value`` is an int (not a bool), and a ValueError unless it is positive."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+def check_module(name: str, value) -> None:
+    """Raise a TypeError unless ``value`` is an ``nn.Module``."""
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name} must be an nn.Module, got {type(value).__name__}")
