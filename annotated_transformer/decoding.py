@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 from annotated_transformer.decoder import DecoderCache
-from annotated_transformer.masks import subsequent_mask
+from annotated_transformer.masks import padding_mask, subsequent_mask
+from annotated_transformer.runtime import evaluating, get_device
+from annotated_transformer.trainer import copy_batches
 
 
 @torch.no_grad()
@@ -49,3 +51,14 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol, end_symbol=None, 
         scores = torch.stack(chosen, dim=1) if chosen else ys.new_zeros((batch, 0), dtype=torch.float)
         return ys, scores
     return ys
+
+
+def copy_accuracy(model, *, vocab: int, seq_len: int, n: int = 1000, seed: int = 12345, start: int = 1,
+                  device=None) -> float:
+    """Exact-match accuracy of greedy decoding on ``n`` fresh random copy-task sequences."""
+    device = next(model.parameters()).device if device is None else get_device(device)
+    batch = next(copy_batches(vocab, n, seq_len, 1, generator=torch.Generator().manual_seed(seed)))
+    src = batch.src.to(device)
+    with evaluating(model):
+        output = greedy_decode(model, src, padding_mask(src, 0), seq_len, start)
+    return (output[:, 1:].cpu() == batch.src[:, 1:]).all(dim=1).float().mean().item()

@@ -10,14 +10,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from annotated_transformer.model import make_model
-from annotated_transformer.training import (
-    Batch,
-    LabelSmoothing,
-    load_checkpoint,
-    latest_checkpoint,
-    make_scheduler,
-    train,
-)
+from annotated_transformer.checkpoints import latest_checkpoint, load_checkpoint
+from annotated_transformer.trainer import train
+from annotated_transformer.training import Batch, LabelSmoothing, make_scheduler
 
 CONFIG = dict(src_vocab=11, tgt_vocab=11, N=1, d_model=16, d_ff=32, h=2, dropout=0.0)
 STEPS = 3

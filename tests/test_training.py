@@ -1,4 +1,4 @@
-"""Tests of annotated_transformer.training: batches, label smoothing, the schedule, gradient accumulation,
+"""Tests of annotated_transformer.training, .trainer and .checkpoints: batches, label smoothing, the schedule,
 checkpoints (atomic, exact resume, averaging), the copy task and the `train` command."""
 from __future__ import annotations
 
@@ -12,29 +12,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from annotated_transformer import training
-from annotated_transformer.cli import main
-from annotated_transformer.masks import subsequent_mask
-from annotated_transformer.model import make_model
-from annotated_transformer.training import (
-    Batch,
-    LabelSmoothing,
+from annotated_transformer import checkpoints, trainer
+from annotated_transformer.checkpoints import (
     average_checkpoints,
-    copy_accuracy,
-    copy_batches,
-    greedy_copy,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    model_from_checkpoint,
+    save_checkpoint,
+)
+from annotated_transformer.cli import main
+from annotated_transformer.decoding import copy_accuracy, greedy_decode
+from annotated_transformer.masks import padding_mask, subsequent_mask
+from annotated_transformer.model import make_model
+from annotated_transformer.trainer import CopyConfig, copy_batches, copy_config, train, train_copy_task
+from annotated_transformer.training import (
+    Batch,
+    LabelSmoothing,
     make_optimizer,
     make_scheduler,
-    model_from_checkpoint,
     padding_fraction,
     rate,
-    save_checkpoint,
     token_batches,
-    train,
-    train_copy_task,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +123,7 @@ def test_padding_fraction_by_hand():
 
 def test_shard_rows_split_a_batch_between_processes():
     for n, world in ((6, 2), (7, 3), (2, 2)):
-        shards = [training.shard_rows(n, rank, world) for rank in range(world)]
+        shards = [trainer.shard_rows(n, rank, world) for rank in range(world)]
         rows = [i for shard in shards for i in range(n)[shard]]
         assert rows == list(range(n))
         assert max(s.stop - s.start for s in shards) - min(s.stop - s.start for s in shards) <= 1
@@ -418,7 +417,7 @@ def test_model_from_checkpoint_and_other_configuration(tmp_path):
     assert torch.equal(a, b)
     other = tiny_model(d_model=32, h=4)
     with pytest.raises(ValueError, match=r"d_model \(checkpoint 16, model 32\)"):
-        training.load_model_state(other, checkpoint)
+        checkpoints.load_model_state(other, checkpoint)
     optimizer = make_optimizer(other)
     with pytest.raises(ValueError, match=r"d_model \(checkpoint 16, model 32\), h \(checkpoint 2, model 4\)"):
         train(other, padded_batches(1), steps=1, optimizer=optimizer, loss_fn=LabelSmoothing(11, 0, 0.0),
@@ -457,11 +456,23 @@ def test_copy_batches():
         next(copy_batches(2, 1, 3, 1))
 
 
-def test_greedy_copy_starts_with_the_start_symbol():
+def test_copy_decoding_starts_with_the_start_symbol():
     model = tiny_model().eval()
     src = torch.tensor([[1, 3, 4, 5], [1, 6, 7, 8]])
-    out = greedy_copy(model, src, start=1)
+    out = greedy_decode(model, src, padding_mask(src, 0), src.size(1), 1)
     assert out.shape == (2, 4) and (out[:, 0] == 1).all()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("factor", -1.0, "factor"), ("factor", float("nan"), "factor"), ("dropout", 1.5, "dropout"),
+    ("d_model", 30, "divisible"), ("steps", 0, "steps"), ("clip_norm", -1.0, "clip_norm"), ("vocab", 2, "vocab"),
+])
+def test_copy_config_refuses_bad_settings(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        CopyConfig(**{field: value})
+    with pytest.raises(TypeError, match="unknown"):
+        copy_config("quick", layers=2)
+    assert copy_config("full", steps=5) == CopyConfig(N=2, d_model=512, d_ff=2048, h=8, steps=5, warmup=400)
 
 
 def test_copy_task_loss_falls():
