@@ -4,15 +4,16 @@
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 
 from annotated_transformer.decoder import DecoderCache
 from annotated_transformer.decoding import greedy_decode
 from annotated_transformer.masks import padding_mask
+from annotated_transformer.runtime import evaluating
 
 
 LENGTH_PENALTIES = ("gnmt", "simple", "none")
@@ -51,17 +52,8 @@ def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, beam_si
     after every step as ``on_step(step, tokens (B, k, step + 1), scores (B, k), finished)``, ``finished`` being
     each sentence's list of finished hypotheses so far.
     """
-    if beam_size < 1 or n_best < 1 or n_best > beam_size:
-        raise ValueError(f"need 1 <= n_best <= beam_size, got n_best={n_best}, beam_size={beam_size}")
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
-        raise ValueError(f"max_len must be an int >= 2 (the start symbol and one token), got {max_len!r}")
-    if src.dim() != 2 or src.size(1) == 0:
-        raise ValueError(f"src must have shape (batch, length >= 1), got {tuple(src.shape)}")
-    if length_penalty < 0:
-        raise ValueError(f"length_penalty (alpha) must be >= 0, got {length_penalty}")
-    length_penalty_factor(1, length_penalty, penalty)  # validates the kind
-    batch, k = src.size(0), beam_size
-    device = src.device
+    check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalty)
+    batch, k, device = src.size(0), beam_size, src.device
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)   # row b * k + j: beam j of sentence b
     src_mask = src_mask.repeat_interleave(k, dim=0)
     cache = DecoderCache(len(model.decoder.layers))
@@ -81,50 +73,90 @@ def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, beam_si
         candidates = (scores.view(-1, 1) + log_probs).view(batch, k * vocab)
         top_scores, top_index = candidates.topk(min(2 * k, k * vocab), dim=-1)
         top_beam, top_token = top_index // vocab, top_index % vocab
-        if end_symbol is None:
-            is_end = torch.zeros_like(top_token, dtype=torch.bool)
-        else:
-            is_end = top_token == end_symbol
+        is_end = torch.zeros_like(top_token, dtype=torch.bool) if end_symbol is None else top_token == end_symbol
         # 2. Candidates that end, among the k best, are finished: set them aside.
         lp = length_penalty_factor(step, length_penalty, penalty)
-        ending = (is_end[:, :k] & top_scores[:, :k].isfinite()).nonzero().tolist()
-        if ending:
-            ending_scores, ending_beams = top_scores.tolist(), top_beam.tolist()  # one copy to the CPU
-        for b, j in ending:
-            if not done[b]:
-                row = tokens[b * k + ending_beams[b][j]]
-                hyp_tokens = torch.cat([row, row.new_tensor([end_symbol])])
-                raw = ending_scores[b][j]
-                finished[b].append(Hypothesis(hyp_tokens, raw, raw / lp))
+        set_aside_finished(finished, done, tokens, top_scores, top_beam, is_end, end_symbol, lp)
         # 3. The k best candidates that do not end are the new beams: reorder the tokens and the cache.
-        open_scores = top_scores.masked_fill(is_end, float("-inf"))
-        new_scores, pick = open_scores.topk(k, dim=-1)
-        beam = top_beam.gather(1, pick)
-        token = top_token.gather(1, pick)
-        index = (offsets + beam).view(-1)
-        tokens = torch.cat([tokens.index_select(0, index), token.view(-1, 1)], dim=1)
+        scores, pick = top_scores.masked_fill(is_end, float("-inf")).topk(k, dim=-1)
+        index = (offsets + top_beam.gather(1, pick)).view(-1)
+        tokens = torch.cat([tokens.index_select(0, index), top_token.gather(1, pick).view(-1, 1)], dim=1)
         cache.reorder(index)
-        scores = new_scores
         # 4. Stop a sentence at the length limit, or when no open beam can beat its n-th best finished one.
-        beam_scores = scores.tolist()  # best first, for each sentence
-        for b in range(batch):
-            if done[b]:
-                continue
-            if step == max_len - 1:
-                for j, raw in enumerate(beam_scores[b]):
-                    if raw != float("-inf"):
-                        finished[b].append(Hypothesis(tokens[b * k + j].clone(), raw, raw / lp))
-                done[b] = True
-            elif len(finished[b]) >= n_best:
-                kept = sorted((h.penalised for h in finished[b]), reverse=True)[n_best - 1]
-                if beam_scores[b][0] / max_lp <= kept:  # the best any open beam could still reach
-                    done[b] = True
+        stop_finished_sentences(finished, done, tokens, scores, n_best, lp, max_lp, last=step == max_len - 1)
         if on_step is not None:
             on_step(step, tokens.view(batch, k, -1), scores, finished)
         if all(done):
             break
         scores = scores.masked_fill(torch.tensor(done, device=device).unsqueeze(1), float("-inf"))
     return [sorted(hyps, key=lambda h: h.penalised, reverse=True)[:n_best] for hyps in finished]
+
+
+def check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalty) -> None:
+    """Refuse, with a ValueError naming the argument, what beam_search cannot do."""
+    if beam_size < 1 or n_best < 1 or n_best > beam_size:
+        raise ValueError(f"need 1 <= n_best <= beam_size, got n_best={n_best}, beam_size={beam_size}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+        raise ValueError(f"max_len must be an int >= 2 (the start symbol and one token), got {max_len!r}")
+    if src.dim() != 2 or src.size(1) == 0:
+        raise ValueError(f"src must have shape (batch, length >= 1), got {tuple(src.shape)}")
+    if length_penalty < 0:
+        raise ValueError(f"length_penalty (alpha) must be >= 0, got {length_penalty}")
+    length_penalty_factor(1, length_penalty, penalty)  # validates the kind
+
+
+def set_aside_finished(finished, done, tokens, top_scores, top_beam, is_end, end_symbol, lp) -> None:
+    """Step 2: every candidate among a sentence's k best that ends becomes a finished Hypothesis."""
+    k = tokens.size(0) // top_scores.size(0)  # beams per sentence
+    ending = (is_end[:, :k] & top_scores[:, :k].isfinite()).nonzero().tolist()
+    if not ending:
+        return
+    ending_scores, ending_beams = top_scores.tolist(), top_beam.tolist()  # one copy to the CPU
+    for b, j in ending:
+        if not done[b]:
+            row = tokens[b * k + ending_beams[b][j]]
+            raw = ending_scores[b][j]
+            finished[b].append(Hypothesis(torch.cat([row, row.new_tensor([end_symbol])]), raw, raw / lp))
+
+
+def stop_finished_sentences(finished, done, tokens, scores, n_best, lp, max_lp, last) -> None:
+    """Step 4: mark the sentences whose search is over in ``done``.
+
+    At the last step (``last``) every open beam becomes a hypothesis as it is. Before it, a sentence is done when
+    it has ``n_best`` finished hypotheses and its best open beam, even at the maximum length (``max_lp``), cannot
+    beat the n-th best of them.
+    """
+    k = scores.size(1)
+    beam_scores = scores.tolist()  # best first, for each sentence
+    for b, sentence_done in enumerate(done):
+        if sentence_done:
+            continue
+        if last:
+            for j, raw in enumerate(beam_scores[b]):
+                if raw != float("-inf"):
+                    finished[b].append(Hypothesis(tokens[b * k + j].clone(), raw, raw / lp))
+            done[b] = True
+        elif len(finished[b]) >= n_best:
+            kept = sorted((h.penalised for h in finished[b]), reverse=True)[n_best - 1]
+            if beam_scores[b][0] / max_lp <= kept:  # the best any open beam could still reach
+                done[b] = True
+
+
+class Tokenizer(Protocol):
+    """What decoding needs to know about a task's vocabulary: its special ids and the way to and from text."""
+
+    pad: int
+    start: int
+    end: int | None
+
+    def encode(self, text: str) -> list[int]:
+        """The source ids of ``text``, as the model reads them."""
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of an output's ids (without the start and end symbols)."""
+
+    def max_len(self, source_length: int) -> int:
+        """The longest output, start symbol included, for a source of ``source_length`` ids."""
 
 
 class TokenIds:
@@ -135,10 +167,10 @@ class TokenIds:
         self.vocab, self.pad, self.start, self.end = vocab, pad, start, end
         self.source_start = source_start
 
-    def encode(self, line: str) -> list[int]:
-        """Token ids of ``line`` (ids separated by spaces), with the start symbol first if the task wants it."""
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (ids separated by spaces), with the start symbol first if the task wants it."""
         ids = []
-        for word in line.split():
+        for word in text.split():
             try:
                 value = int(word)
             except ValueError:
@@ -149,10 +181,7 @@ class TokenIds:
         return [self.start] + ids if self.source_start else ids
 
     def decode(self, ids: list[int]) -> str:
-        """The text of an output: ids after the start symbol, up to (not including) the end symbol."""
-        ids = list(ids)[1:]
-        if self.end is not None and self.end in ids:
-            ids = ids[: ids.index(self.end)]
+        """The ids, separated by spaces."""
         return " ".join(str(i) for i in ids)
 
     def max_len(self, source_length: int) -> int:
@@ -160,93 +189,64 @@ class TokenIds:
         return source_length
 
 
-TOKENIZERS = {"copy": lambda checkpoint: TokenIds(checkpoint["config"]["tgt_vocab"])}
+def strip_special(tokens: Sequence[int], start: int, end: int | None = None) -> list[int]:
+    """A decoder's output without its leading start symbol, cut before the first end symbol."""
+    tokens = list(tokens)
+    tokens = tokens[1:] if tokens and tokens[0] == start else tokens
+    return tokens[: tokens.index(end)] if end is not None and end in tokens else tokens
 
 
-def tokenizer_from_checkpoint(checkpoint: dict):
-    """The tokenizer of the checkpoint's task (``extra["task"]``, "copy" when it names none)."""
-    task = (checkpoint.get("extra") or {}).get("task", "copy")
-    if task not in TOKENIZERS:
-        raise ValueError(f"no tokenizer is known for the checkpoint's task {task!r} (known: {sorted(TOKENIZERS)})")
-    return TOKENIZERS[task](checkpoint)
+@torch.no_grad()
+def translate_ids(model, tokenizer: Tokenizer, sources: Sequence[Sequence[int]], *, beam_size: int = 4,
+                  length_penalty: float = 0.6, penalty: str = "gnmt", max_len: int | None = None,
+                  batch_size: int = 32) -> list[list[int]]:
+    """Decode each source (a list of ids); return each output's ids, in the order of ``sources``.
 
-
-def translate_lines(model, tokenizer, lines, *, beam_size=4, max_len=None, batch_size=32, length_penalty=0.6,
-                    penalty="gnmt") -> list[str]:
-    """Translate each line (one sentence per line); an empty line gives an empty string.
-
-    ``max_len`` limits the output (start symbol included; default ``tokenizer.max_len(source length)``).
-    ``beam_size=1`` is greedy decoding. Raises ValueError naming the line (from 1) that cannot be encoded.
+    ``beam_size=1`` is greedy decoding, larger beams are beam search with ``length_penalty`` (alpha) and
+    ``penalty``. ``max_len`` limits every output, start symbol included (default:
+    ``tokenizer.max_len(source length)``). ``tokenizer`` gives the special ids.
     """
     if beam_size < 1 or batch_size < 1:
         raise ValueError(f"beam_size and batch_size must be >= 1, got {beam_size} and {batch_size}")
+    if any(len(source) == 0 for source in sources):
+        raise ValueError("every source needs at least one token")
     device = next(model.parameters()).device
-    results = [""] * len(lines)
     by_length = defaultdict(list)
-    encoded = {}
-    for number, line in enumerate(lines):
-        if line.strip():
-            try:
-                encoded[number] = tokenizer.encode(line.strip())
-            except ValueError as error:
-                raise ValueError(f"line {number + 1}: {error}") from None
-            by_length[len(encoded[number])].append(number)
-    for length, numbers in sorted(by_length.items()):
-        limit = max_len if max_len is not None else tokenizer.max_len(length)
-        for first in range(0, len(numbers), batch_size):
-            chunk = numbers[first: first + batch_size]
-            src = torch.tensor([encoded[n] for n in chunk], device=device)
-            src_mask = padding_mask(src, tokenizer.pad)
-            if beam_size == 1:
-                outputs = greedy_decode(model, src, src_mask, limit, tokenizer.start, tokenizer.end).tolist()
-            else:
-                best = beam_search(model, src, src_mask, limit, tokenizer.start, tokenizer.end, beam_size=beam_size,
-                                   length_penalty=length_penalty, penalty=penalty)
-                outputs = [hyps[0].tokens.tolist() for hyps in best]
-            for n, output in zip(chunk, outputs):
-                results[n] = tokenizer.decode(output)
-    return results
+    for index, source in enumerate(sources):
+        by_length[len(source)].append(index)
+    outputs: list[list[int]] = [[] for _ in sources]
+    with evaluating(model):
+        for length, indices in sorted(by_length.items()):
+            limit = max_len if max_len is not None else tokenizer.max_len(length)
+            for first in range(0, len(indices), batch_size):
+                chunk = indices[first: first + batch_size]
+                src = torch.tensor([list(sources[i]) for i in chunk], device=device)
+                src_mask = padding_mask(src, tokenizer.pad)
+                if beam_size == 1:
+                    rows = greedy_decode(model, src, src_mask, limit, tokenizer.start, tokenizer.end).tolist()
+                else:
+                    found = beam_search(model, src, src_mask, limit, tokenizer.start, tokenizer.end,
+                                        beam_size=beam_size, length_penalty=length_penalty, penalty=penalty)
+                    rows = [hypotheses[0].tokens.tolist() for hypotheses in found]
+                for i, row in zip(chunk, rows):
+                    outputs[i] = strip_special(row, tokenizer.start, tokenizer.end)
+    return outputs
 
 
-def add_translate(subparsers) -> None:
-    """Register ``translate``: ``python -m annotated_transformer translate --checkpoint PATH ...``."""
-    parser = subparsers.add_parser(
-        "translate", help="translate sentences with a trained model (greedy or beam search)",
-        description="Read one sentence per line (from --input or standard input) and write one translation per "
-                    "line to standard output; an empty line gives an empty line. For a copy-task checkpoint a "
-                    "sentence is a line of space-separated token ids, such as '3 4 5'.",
-    )
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by the train command")
-    parser.add_argument("--beam-size", type=int, default=4, help="beam size; 1 is greedy decoding (default: 4)")
-    parser.add_argument("--input", default=None, help="a file with one sentence per line (default: standard input)")
-    parser.add_argument("--max-len", type=int, default=None,
-                        help="the longest output in tokens, start symbol included (default: by task)")
-    parser.add_argument("--batch-size", type=int, default=32, help="sentences decoded together (default: 32)")
-    parser.add_argument("--length-penalty", type=float, default=0.6,
-                        help="alpha of the length penalty (default: 0.6, as in the paper)")
-    parser.add_argument("--penalty", choices=LENGTH_PENALTIES, default="gnmt",
-                        help="length penalty: gnmt ((5+|Y|)/6)^alpha, simple |Y|^alpha, none (default: gnmt)")
-    parser.add_argument("--device", default=None,
-                        help="cpu, cuda, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)")
-    parser.set_defaults(run=run_translate)
-
-
-def run_translate(args) -> int:
-    """Run ``translate`` with parsed arguments."""
-    from annotated_transformer.training import model_from_checkpoint
-
-    if args.beam_size < 1 or args.batch_size < 1 or (args.max_len is not None and args.max_len < 2):
-        raise ValueError("--beam-size and --batch-size must be >= 1 and --max-len >= 2")
-    model, checkpoint = model_from_checkpoint(args.checkpoint, device=args.device)
-    tokenizer = tokenizer_from_checkpoint(checkpoint)
-    if args.input is None:
-        lines = sys.stdin.read().splitlines()
-    else:
-        with open(args.input, encoding="utf-8") as stream:
-            lines = stream.read().splitlines()
-    outputs = translate_lines(model, tokenizer, lines, beam_size=args.beam_size, max_len=args.max_len,
-                              batch_size=args.batch_size, length_penalty=args.length_penalty, penalty=args.penalty)
-    for output in outputs:
-        sys.stdout.write(output + "\n")
-    sys.stdout.flush()
-    return 0
+def translate(model, tokenizer: Tokenizer, sentences: Sequence[str], *, beam_size: int = 4,
+              length_penalty: float = 0.6, penalty: str = "gnmt", max_len: int | None = None,
+              batch_size: int = 32) -> list[str]:
+    """Translate sentences (strings) with ``translate_ids``; a list of strings in the order of ``sentences``."""
+    sources = []
+    for index, sentence in enumerate(sentences):
+        if not isinstance(sentence, str):
+            raise TypeError(f"sentences must be strings, got {type(sentence).__name__} at index {index}")
+        if not sentence.strip():
+            raise ValueError(f"sentence {index} is empty: there is nothing to translate")
+        try:
+            sources.append(tokenizer.encode(sentence))
+        except ValueError as error:
+            raise ValueError(f"sentence {index}: {error}") from None
+    outputs = translate_ids(model, tokenizer, sources, beam_size=beam_size, length_penalty=length_penalty,
+                            penalty=penalty, max_len=max_len, batch_size=batch_size)
+    return [tokenizer.decode(ids) for ids in outputs]

@@ -4,14 +4,10 @@
 
 from __future__ import annotations
 
-import argparse
-import gzip
 import json
 import math
-import platform
-import shlex
-import sys
 import time
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import sacrebleu
@@ -19,160 +15,254 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from annotated_transformer.beam_search import beam_search
+from annotated_transformer.beam_search import TokenIds, translate, translate_ids
+from annotated_transformer.checkpoints import (
+    average_checkpoints, latest_checkpoint, list_checkpoints, load_checkpoint, model_from_checkpoint, save_checkpoint,
+)
 from annotated_transformer.data import (
-    BOS_ID, EOS_ID, PAD_ID, SPLITS, EpochBatches, collate, encode_pairs, load_split, load_tokenizer, pad_sequences,
+    BOS_ID, EOS_ID, PAD_ID, SPLITS, EpochBatches, collate, encode_pairs, load_split, load_tokenizer,
     tokenizer_from_tensor, tokenizer_to_tensor, train_tokenizer,
 )
-from annotated_transformer.decoding import greedy_decode
 from annotated_transformer.masks import padding_mask, target_mask
 from annotated_transformer.model import EMBEDDING_INITS, make_model
-from annotated_transformer.runtime import get_device, get_profile, seed_everything
-from annotated_transformer.training import (
-    LabelSmoothing, average_checkpoints, latest_checkpoint, list_checkpoints, load_checkpoint, load_model_state,
-    make_optimizer, make_scheduler, model_from_checkpoint, save_checkpoint, token_batches, train,
+from annotated_transformer.runtime import check_size, evaluating, get_device, get_profile, seed_everything
+from annotated_transformer.trainer import train
+from annotated_transformer.training import LabelSmoothing, make_optimizer, make_scheduler, token_batches
+
+
+@dataclass(frozen=True)
+class TranslationConfig:
+    """The settings of a Multi30k run: data, model, training, evaluation. Checked when made."""
+
+    vocab_size: int            # pieces in the joint SentencePiece vocabulary
+    train_limit: int | None    # train on the first N training pairs only (None: all)
+    max_len: int               # leave out training pairs longer than this many pieces
+    N: int                     # encoder and decoder layers
+    d_model: int
+    d_ff: int
+    h: int                     # attention heads
+    dropout: float             # the paper's P_drop: sublayer outputs, embeddings plus positions
+    attention_dropout: float   # on the attention weights (the 2022 code's, not the paper's)
+    activation_dropout: float  # inside the feed-forward networks (likewise)
+    norm_first: bool           # pre-norm (True) or the paper's post-norm (False)
+    embedding_init: str        # "normal": N(0, 1/d_model), or "xavier"
+    smoothing: float           # label smoothing epsilon
+    max_tokens: int            # padded tokens per side in a micro-batch
+    accumulation_steps: int    # micro-batches per optimiser step
+    steps: int                 # optimiser steps in all
+    warmup: int                # warm-up steps of the schedule, equation (3)
+    factor: float              # the schedule's factor
+    clip_norm: float | None    # clip the gradient norm to this (None: off)
+    checkpoint_every: int      # a checkpoint every this many steps
+    average: int               # the final model is the mean of the last this many checkpoints
+    eval_every: int            # validation loss every this many steps (a multiple of checkpoint_every)
+    valid_limit: int | None    # validation loss on the first N validation pairs only
+    test_limit: int | None     # BLEU on the first N test pairs only
+    beam_size: int             # beam search of the final evaluation
+    length_penalty: float      # its alpha
+    sweep: bool                # also score several decoding settings on the validation set
+    seed: int
+    profile: str               # the profile these settings started from
+
+    def __post_init__(self):
+        check_settings(self)
+
+    def changed(self) -> list[str]:
+        """The settings that differ from the profile's, sorted."""
+        return sorted(k for k, v in asdict(PROFILES[self.profile]).items() if getattr(self, k) != v)
+
+
+POSITIVE = ("vocab_size", "max_len", "N", "d_model", "d_ff", "h", "max_tokens", "accumulation_steps", "steps",
+            "warmup", "checkpoint_every", "average", "eval_every", "beam_size")
+PROBABILITIES = ("dropout", "attention_dropout", "activation_dropout", "smoothing")
+
+
+def check_settings(config: TranslationConfig) -> None:
+    """Raise a ValueError (or TypeError) naming the first setting of ``config`` that cannot be used."""
+    limits = [name for name in ("train_limit", "valid_limit", "test_limit") if getattr(config, name) is not None]
+    for name in [*POSITIVE, *limits]:
+        check_size(name, getattr(config, name))
+    for name in PROBABILITIES:
+        if not 0.0 <= getattr(config, name) < 1.0:
+            raise ValueError(f"{name} must lie in [0, 1), got {getattr(config, name)!r}")
+    for name in ("norm_first", "sweep"):
+        if not isinstance(getattr(config, name), bool):
+            raise TypeError(f"{name} must be True or False, got {getattr(config, name)!r}")
+    if config.embedding_init not in EMBEDDING_INITS:
+        raise ValueError(f"embedding_init must be one of {EMBEDDING_INITS}, got {config.embedding_init!r}")
+    if config.d_model % config.h:
+        raise ValueError(f"d_model ({config.d_model}) must be divisible by h ({config.h})")
+    if config.eval_every % config.checkpoint_every:
+        raise ValueError(f"eval_every ({config.eval_every}) must be a multiple of checkpoint_every "
+                         f"({config.checkpoint_every}): validation happens at checkpoints")
+    if not (config.factor > 0 and config.length_penalty >= 0 and (config.clip_norm is None or config.clip_norm > 0)):
+        raise ValueError(f"factor and clip_norm must be positive and length_penalty >= 0, got {config.factor}, "
+                         f"{config.clip_norm} and {config.length_penalty}")
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {config.seed!r}")
+    if config.profile not in ("quick", "laptop", "full"):
+        raise ValueError(f"profile must be 'quick', 'laptop' or 'full', got {config.profile!r}")
+
+
+LAPTOP = TranslationConfig(
+    vocab_size=8000, train_limit=None, max_len=100, N=3, d_model=256, d_ff=1024, h=4, dropout=0.2,
+    attention_dropout=0.0, activation_dropout=0.0, norm_first=True, embedding_init="normal", smoothing=0.1,
+    max_tokens=2048, accumulation_steps=1, steps=2300, warmup=400, factor=0.5, clip_norm=None, checkpoint_every=100,
+    average=5, eval_every=300, valid_limit=None, test_limit=None, beam_size=4, length_penalty=0.6, sweep=True, seed=0,
+    profile="laptop",
 )
-
-
 PROFILES = {
-    "quick": dict(
-        vocab_size=1000, train_limit=None, max_len=30, N=1, d_model=64, d_ff=128, h=4, dropout=0.0,
-        attention_dropout=0.0, activation_dropout=0.0, norm_first=True, embedding_init="normal",
-        smoothing=0.1, max_tokens=1000, accumulation_steps=1, steps=350, warmup=60, factor=0.35, clip_norm=None,
-        checkpoint_every=25, average=3, eval_every=50, valid_limit=300, test_limit=None, beam_size=4,
-        length_penalty=0.6, sweep=False, seed=0,
-    ),
-    "laptop": dict(
-        vocab_size=8000, train_limit=None, max_len=100, N=3, d_model=256, d_ff=1024, h=4, dropout=0.2,
-        attention_dropout=0.0, activation_dropout=0.0, norm_first=True, embedding_init="normal",
-        smoothing=0.1, max_tokens=2048, accumulation_steps=1, steps=2300, warmup=400, factor=0.5, clip_norm=None,
-        checkpoint_every=100, average=5, eval_every=300, valid_limit=None, test_limit=None, beam_size=4,
-        length_penalty=0.6, sweep=True, seed=0,
-    ),
-    "full": dict(
-        vocab_size=8000, train_limit=None, max_len=100, N=3, d_model=512, d_ff=2048, h=8, dropout=0.3,
-        attention_dropout=0.3, activation_dropout=0.3, norm_first=True, embedding_init="normal",
-        smoothing=0.1, max_tokens=8192, accumulation_steps=1, steps=5000, warmup=1000, factor=0.5, clip_norm=None,
-        checkpoint_every=250, average=5, eval_every=500, valid_limit=None, test_limit=None, beam_size=4,
-        length_penalty=0.6, sweep=True, seed=0,
-    ),
+    # the same recipe, tiny: one layer of width 64, 1,000 pieces, 350 steps, no dropout, no sweep
+    "quick": replace(LAPTOP, vocab_size=1000, max_len=30, N=1, d_model=64, d_ff=128, dropout=0.0, max_tokens=1000,
+                     steps=350, warmup=60, factor=0.35, checkpoint_every=25, average=3, eval_every=50,
+                     valid_limit=300, sweep=False, profile="quick"),
+    "laptop": LAPTOP,
+    # the base model's width, more dropout (the 2022 code's three kinds), bigger batches, for one GPU
+    "full": replace(LAPTOP, d_model=512, d_ff=2048, h=8, dropout=0.3, attention_dropout=0.3, activation_dropout=0.3,
+                    max_tokens=8192, steps=5000, warmup=1000, checkpoint_every=250, eval_every=500, profile="full"),
 }
-POSITIVE = ("vocab_size", "N", "d_model", "d_ff", "h", "max_tokens", "accumulation_steps", "steps", "warmup",
-            "checkpoint_every", "average", "eval_every", "beam_size")
+SETTINGS = tuple(f.name for f in fields(TranslationConfig) if f.name != "profile")
 
 
-def translation_config(profile: str | None = None, **overrides) -> dict:
-    """The settings of a Multi30k run: the profile's (default: AT_PROFILE), with ``overrides``; None means "keep".
-
-    The result also names its profile (``config["profile"]``).
-    """
+def translation_config(profile: str | None = None, **overrides) -> TranslationConfig:
+    """The profile's settings (default: AT_PROFILE; "laptop" by name), with ``overrides``; None keeps a setting."""
     name = profile if profile == "laptop" else get_profile(profile)
-    config = dict(PROFILES[name], profile=name)
-    for key, value in overrides.items():
-        if key not in PROFILES[name]:
-            raise ValueError(f"unknown setting {key!r}; expected one of {sorted(PROFILES[name])}")
-        if value is not None:
-            config[key] = value
-    for key in POSITIVE:
-        if isinstance(config[key], bool) or not isinstance(config[key], int) or config[key] < 1:
-            raise ValueError(f"{key} must be a positive integer, got {config[key]!r}")
-    if config["eval_every"] % config["checkpoint_every"] != 0:
-        raise ValueError(f"eval_every ({config['eval_every']}) must be a multiple of checkpoint_every "
-                         f"({config['checkpoint_every']}): validation happens at checkpoints")
-    for key in ("dropout", "attention_dropout", "activation_dropout", "smoothing"):
-        if not 0.0 <= config[key] < 1.0:
-            raise ValueError(f"{key} must lie in [0, 1), got {config[key]!r}")
-    for key in ("norm_first", "sweep"):
-        if not isinstance(config[key], bool):
-            raise TypeError(f"{key} must be True or False, got {config[key]!r}")
-    if config["embedding_init"] not in EMBEDDING_INITS:
-        raise ValueError(f"embedding_init must be one of {EMBEDDING_INITS}, got {config['embedding_init']!r}")
-    return config
+    for key in overrides:
+        if key not in SETTINGS:
+            raise ValueError(f"unknown setting {key!r}; expected one of {sorted(SETTINGS)}")
+    return replace(PROFILES[name], **{key: value for key, value in overrides.items() if value is not None})
 
 
-def prepare_data(config: dict):
+MAX_LEN_A, MAX_LEN_B = 1.2, 10
+
+
+class SentencePieces:
+    """The tokenizer interface of the beam search chapter for a SentencePiece model (``processor``)."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.pad, self.start, self.end = PAD_ID, BOS_ID, EOS_ID
+        self.vocab_size = processor.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        """The source ids of ``text``: its pieces, then </s>."""
+        return self.processor.encode(text) + [EOS_ID]
+
+    def decode(self, ids) -> str:
+        """The text of an output's pieces (without <s> and </s>)."""
+        return self.processor.decode(list(ids))
+
+    def piece(self, index: int) -> str:  # such as '▁Hund'
+        return self.processor.id_to_piece(index)
+
+    def max_len(self, source_length: int) -> int:  # the longest output, <s> included
+        return int(MAX_LEN_A * source_length) + MAX_LEN_B
+
+
+def prepare_data(config: TranslationConfig):
     """(tokenizer, training examples, validation examples) for ``config``; the tokenizer sees all training pairs."""
     train_pairs = load_split("train")
-    tokenizer = load_tokenizer(train_tokenizer(train_pairs, vocab_size=config["vocab_size"]))
-    if config["train_limit"]:
-        train_pairs = train_pairs[: config["train_limit"]]
-    train_examples = encode_pairs(train_pairs, tokenizer, config["max_len"])
-    valid_pairs = load_split("valid")
-    if config["valid_limit"]:
-        valid_pairs = valid_pairs[: config["valid_limit"]]
-    return tokenizer, train_examples, encode_pairs(valid_pairs, tokenizer)
+    processor = load_tokenizer(train_tokenizer(train_pairs, vocab_size=config.vocab_size))
+    train_examples = encode_pairs(train_pairs[: config.train_limit], processor, config.max_len)
+    valid_examples = encode_pairs(load_split("valid")[: config.valid_limit], processor)
+    return SentencePieces(processor), train_examples, valid_examples
 
 
 @torch.no_grad()
 def validation_loss(model: nn.Module, examples, max_tokens: int = 4096, *, shuffle_sources: bool = False) -> float:
-    """Mean cross-entropy (nats per target token, </s> included) of ``examples``, teacher-forced, in eval mode.
-
-    ``shuffle_sources=True`` gives every target the source of its neighbour in the batch (the batches are the
-    same): a model that reads its source does much worse then, a model that ignores it does just as well.
-    """
-    was_training = model.training
-    model.eval()
+    """Mean cross-entropy (nats per target token, </s> included) of ``examples``, teacher-forced, in eval mode;
+    with ``shuffle_sources=True``, each target gets the source of its neighbour in the batch."""
     device = next(model.parameters()).device
     lengths = [(len(s), len(t)) for s, t in examples]
     total, count = 0.0, 0
-    for indices in token_batches(lengths, max(max_tokens, max(max(pair) for pair in lengths)), shuffle=False):
-        batch = collate(examples, indices).to(device)
-        src, src_mask = batch.src, batch.src_mask
-        if shuffle_sources:
-            src, src_mask = src.roll(1, dims=0), src_mask.roll(1, dims=0)
-        log_probs = model.generator(model(src, batch.tgt, src_mask, batch.tgt_mask)).float()
-        total += nn.functional.nll_loss(log_probs.reshape(-1, log_probs.size(-1)), batch.tgt_y.reshape(-1),
-                                        ignore_index=PAD_ID, reduction="sum").item()
-        count += batch.ntokens
-    model.train(was_training)
+    with evaluating(model):
+        for indices in token_batches(lengths, max(max_tokens, max(max(pair) for pair in lengths)), shuffle=False):
+            batch = collate(examples, indices).to(device)
+            src, src_mask = batch.src, batch.src_mask
+            if shuffle_sources:
+                src, src_mask = src.roll(1, dims=0), src_mask.roll(1, dims=0)
+            log_probs = model.generator(model(src, batch.tgt, src_mask, batch.tgt_mask)).float()
+            total += nn.functional.nll_loss(log_probs.reshape(-1, log_probs.size(-1)), batch.tgt_y.reshape(-1),
+                                            ignore_index=PAD_ID, reduction="sum").item()
+            count += batch.ntokens
     return total / count
 
 
-TASK = "multi30k"
-TOKENIZER_FILE = "tokenizer.model"
+TASK, TOKENIZER_FILE = "multi30k", "tokenizer.model"
 
 
-def save_translator(path, model: nn.Module, tokenizer, *, step: int = 0, extra: dict | None = None) -> Path:
+def save_translator(path, model: nn.Module, tokenizer: SentencePieces, *, step: int = 0,
+                    extra: dict | None = None) -> Path:
     """Save a checkpoint that holds the model, its configuration and its tokenizer (readable with weights_only)."""
-    return save_checkpoint(path, model=model, step=step,
-                           extra={"task": TASK, "tokenizer": tokenizer_to_tensor(tokenizer), **(extra or {})})
+    return save_checkpoint(path, model=model, step=step, extra={
+        "task": TASK, "tokenizer": tokenizer_to_tensor(tokenizer.processor), **(extra or {})})
+
+
+def checkpoint_tokenizer(checkpoint: dict, path=None):
+    """The tokenizer of a checkpoint's task: ``TokenIds`` (copy task) or ``SentencePieces`` (Multi30k); ``path``,
+    the checkpoint's file, lets an intermediate ``step_*.pt`` find the ``tokenizer.model`` beside it."""
+    extra, vocab = checkpoint.get("extra") or {}, (checkpoint.get("config") or {}).get("tgt_vocab")
+    beside = None if path is None else Path(path).parent / TOKENIZER_FILE
+    task = extra.get("task") or (TASK if beside is not None and beside.exists() else "copy")
+    if task == "copy":
+        return TokenIds(vocab)
+    if task != TASK:
+        raise ValueError(f"no tokenizer is known for the checkpoint's task {task!r} (known: ['copy', '{TASK}'])")
+    if extra.get("tokenizer") is not None:
+        processor = tokenizer_from_tensor(extra["tokenizer"])
+    elif beside is not None and beside.exists():
+        processor = load_tokenizer(beside)
+    else:
+        raise ValueError(f"{path or 'the checkpoint'} holds no tokenizer and there is no {TOKENIZER_FILE} beside "
+                         "it: use the averaged model average.pt, which holds its tokenizer")
+    if processor.get_piece_size() != vocab:
+        raise ValueError(f"the tokenizer has {processor.get_piece_size()} pieces but the model's vocabulary has "
+                         f"{vocab}: they do not belong together")
+    return SentencePieces(processor)
 
 
 def load_translator(path, device=None):
-    """(model in eval mode, tokenizer, checkpoint) from a translation checkpoint.
-
-    The tokenizer comes from the checkpoint or, for the intermediate ``step_*.pt`` files, from ``tokenizer.model``
-    in the checkpoint's folder.
-    """
+    """(model in eval mode, tokenizer, checkpoint) from a translation checkpoint (average.pt or step_*.pt)."""
     model, checkpoint = model_from_checkpoint(path, device)
-    data = checkpoint.get("extra", {}).get("tokenizer")
-    beside = Path(path).parent / TOKENIZER_FILE
-    if data is not None:
-        tokenizer = tokenizer_from_tensor(data)
-    elif beside.exists():
-        tokenizer = load_tokenizer(beside)
-    else:
+    tokenizer = checkpoint_tokenizer(checkpoint, path)
+    if not isinstance(tokenizer, SentencePieces):
         raise ValueError(f"{path} holds no tokenizer and there is no {TOKENIZER_FILE} beside it: "
                          "it is not a translation checkpoint")
-    if tokenizer.get_piece_size() != model.config["src_vocab"]:
-        raise ValueError(f"the tokenizer has {tokenizer.get_piece_size()} pieces but the model's vocabulary has "
-                         f"{model.config['src_vocab']}: they do not belong together")
     return model, tokenizer, checkpoint
 
 
-def train_translator(config: dict, checkpoint_dir, *, device=None, amp: bool | None = None, resume: bool = False,
-                     progress: bool = True, log=print) -> dict:
-    """Train a Multi30k German-to-English translator as ``config`` says.
+def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None, amp: bool | None = None,
+                     resume: bool = False, progress: bool = True, log=print) -> dict:
+    """Train a Multi30k German-to-English translator as ``config`` says, in ``checkpoint_dir``.
 
-    ``checkpoint_dir`` receives ``step_*.pt`` every ``checkpoint_every`` steps (the newest ``average`` are kept),
-    ``tokenizer.model``, the validation curve ``valid.json`` and, at the end, ``average.pt``: the mean of the last
-    ``average`` checkpoints with the tokenizer inside. A folder that already holds checkpoints needs
-    ``resume=True``, which continues that run. Returns a dict with the averaged model (eval mode), the tokenizer,
-    the training history, the validation curve, the validation losses of the last and the averaged weights, the
-    checkpoint's path, the parameter count and the seconds spent in training (summed over resumed runs;
-    validation not included).
+    Returns a dict: the averaged model (eval mode), its tokenizer, the training history, the validation curve and
+    losses, the checkpoint ``average.pt``, the parameter count and the training seconds (summed over resumed runs).
     """
-    device = get_device(device) if device is None or isinstance(device, str) else torch.device(device)
+    device = get_device(device)
+    folder, latest = open_run_folder(checkpoint_dir, resume)
+    seed_everything(config.seed)
+    tokenizer, train_examples, valid_examples = prepare_data(config)
+    if not train_examples:
+        raise ValueError(f"no training pair is at most max_len={config.max_len} pieces long")
+    keep_tokenizer(folder, tokenizer, resume)
+    model, optimizer, scheduler, loss_fn = build_translator(config, tokenizer.vocab_size, device)
+    batches = EpochBatches(train_examples, config.max_tokens, seed=config.seed)
+    done = load_checkpoint(latest)["step"] if latest is not None else 0
+    valid = train_with_validation(model, batches, valid_examples, config, folder, done=done, device=device, amp=amp,
+                                  progress=progress, log=log, optimizer=optimizer, scheduler=scheduler,
+                                  loss_fn=loss_fn)
+    last = load_checkpoint(latest_checkpoint(folder))
+    averaged = average_last_checkpoints(model, folder, valid_examples, config, log=log)
+    history = last["extra"].get("history", {})
+    path = save_translator(folder / "average.pt", model, tokenizer, step=last["step"],
+                           extra={"averaged": averaged["averaged"], "history": history, "valid": valid})
+    return dict(model=model.eval(), tokenizer=tokenizer, history=history, valid=valid, checkpoint=path,
+                train_examples=len(train_examples), train_seconds=last["extra"].get("train_seconds", 0.0),
+                parameters=sum(p.numel() for p in model.parameters()), **averaged)
+
+
+def open_run_folder(checkpoint_dir, resume: bool) -> tuple[Path, Path | None]:
+    """(the run's folder, its newest checkpoint): a new run needs a folder without checkpoints, a resumed one a run."""
     folder = Path(checkpoint_dir)
     latest = latest_checkpoint(folder)
     if latest is not None and not resume:
@@ -180,40 +270,44 @@ def train_translator(config: dict, checkpoint_dir, *, device=None, amp: bool | N
     if latest is None and resume:
         raise FileNotFoundError(f"resume was asked for, but {folder} holds no checkpoint")
     folder.mkdir(parents=True, exist_ok=True)
-    seed_everything(config["seed"])
-    tokenizer, train_examples, valid_examples = prepare_data(config)
-    if not train_examples:
-        raise ValueError(f"no training pair is at most max_len={config['max_len']} pieces long")
-    proto = tokenizer.serialized_model_proto()
-    tokenizer_file = folder / TOKENIZER_FILE
-    if resume and tokenizer_file.exists() and tokenizer_file.read_bytes() != proto:
-        raise ValueError(f"{tokenizer_file} is not the tokenizer of this configuration: resume with the same settings")
-    tokenizer_file.write_bytes(proto)
+    return folder, latest
 
-    vocab = tokenizer.get_piece_size()
-    model = make_model(vocab, vocab, N=config["N"], d_model=config["d_model"], d_ff=config["d_ff"], h=config["h"],
-                       dropout=config["dropout"], attention_dropout=config["attention_dropout"],
-                       activation_dropout=config["activation_dropout"], norm_first=config["norm_first"],
-                       embedding_init=config["embedding_init"], share_embeddings=True).to(device)
+
+def keep_tokenizer(folder: Path, tokenizer: SentencePieces, resume: bool) -> None:
+    """Write ``tokenizer.model`` beside the checkpoints; a resumed run must have the same tokenizer."""
+    proto, path = tokenizer.processor.serialized_model_proto(), folder / TOKENIZER_FILE
+    if resume and path.exists() and path.read_bytes() != proto:
+        raise ValueError(f"{path} is not the tokenizer of this configuration: resume with the same settings")
+    path.write_bytes(proto)
+
+
+def build_translator(config: TranslationConfig, vocab: int, device):
+    """(model, optimizer, scheduler, loss_fn) of ``config``: tied embeddings, Adam, equation (3), label smoothing."""
+    model = make_model(vocab, vocab, N=config.N, d_model=config.d_model, d_ff=config.d_ff, h=config.h,
+                       dropout=config.dropout, attention_dropout=config.attention_dropout,
+                       activation_dropout=config.activation_dropout, norm_first=config.norm_first,
+                       embedding_init=config.embedding_init, share_embeddings=True).to(device)
     optimizer = make_optimizer(model)
-    scheduler = make_scheduler(optimizer, config["d_model"], factor=config["factor"], warmup=config["warmup"])
-    loss_fn = LabelSmoothing(vocab, PAD_ID, config["smoothing"])
-    batches = EpochBatches(train_examples, config["max_tokens"], seed=config["seed"])
+    scheduler = make_scheduler(optimizer, config.d_model, factor=config.factor, warmup=config.warmup)
+    return model, optimizer, scheduler, LabelSmoothing(vocab, PAD_ID, config.smoothing)
 
+
+def train_with_validation(model: nn.Module, batches, valid_examples, config: TranslationConfig, folder: Path, *,
+                          done: int, device, amp, progress: bool, log, **training) -> dict:
+    """Train from step ``done`` to ``config.steps`` in chunks of ``eval_every`` steps (``training``: optimizer,
+    scheduler, loss_fn), each followed by the validation loss; return that curve (kept in valid.json)."""
     valid_file = folder / "valid.json"
-    done = load_checkpoint(latest)["step"] if latest is not None else 0
     valid = json.loads(valid_file.read_text()) if done and valid_file.exists() else {"step": [], "loss": []}
-    steps, every = config["steps"], config["eval_every"]
+    steps, every = config.steps, config.eval_every
     # One progress bar for the whole run (its ETA is the run's); validation lines are printed above it.
     bar = tqdm(total=steps, initial=done, desc="train", disable=not progress, mininterval=1.0, dynamic_ncols=True)
     say = bar.write if progress and log is print else log  # print above the bar, not through it
     for end in [*range(every, steps, every), steps]:
         if end <= done:
             continue
-        train(model, batches, steps=end, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn,
-              accumulation_steps=config["accumulation_steps"], clip_norm=config["clip_norm"], device=device,
-              amp=amp, checkpoint_dir=folder, checkpoint_every=config["checkpoint_every"],
-              keep_last=config["average"], resume=done > 0, progress=bar if progress else False)
+        train(model, batches, steps=end, accumulation_steps=config.accumulation_steps, clip_norm=config.clip_norm,
+              device=device, amp=amp, checkpoint_dir=folder, checkpoint_every=config.checkpoint_every,
+              keep_last=config.average, resume=done > 0, progress=bar if progress else False, **training)
         done = end
         loss = validation_loss(model, valid_examples)
         valid["step"].append(end)
@@ -221,9 +315,13 @@ def train_translator(config: dict, checkpoint_dir, *, device=None, amp: bool | N
         valid_file.write_text(json.dumps(valid))
         say(f"step {end:6d}: validation loss {loss:.3f} nats per token (perplexity {math.exp(loss):.1f})")
     bar.close()
+    return valid
 
-    last = load_checkpoint(latest_checkpoint(folder))
-    kept = list_checkpoints(folder)[-config["average"]:]
+
+def average_last_checkpoints(model: nn.Module, folder: Path, valid_examples, config: TranslationConfig, *,
+                             log=print) -> dict:
+    """Load the mean of the newest ``average`` checkpoints into ``model``; measure what averaging was worth."""
+    kept = list_checkpoints(folder)[-config.average:]
     averaging = {"checkpoints": [], "loss": []}        # validation loss of the mean of the newest k checkpoints
     for k in range(1, len(kept) + 1):
         model.load_state_dict(average_checkpoints(kept[-k:]))
@@ -233,109 +331,13 @@ def train_translator(config: dict, checkpoint_dir, *, device=None, amp: bool | N
     shuffled_loss = validation_loss(model, valid_examples, shuffle_sources=True)
     log(f"validation loss: last checkpoint {last_loss:.3f}, average of {len(kept)} {averaged_loss:.3f} "
         f"({shuffled_loss:.3f} with the sources shuffled: the model reads its source if this is clearly higher)")
-    history = last["extra"].get("history", {})
-    path = save_translator(folder / "average.pt", model, tokenizer, step=last["step"],
-                           extra={"averaged": [p.name for p in kept], "history": history, "valid": valid})
-    return dict(model=model.eval(), tokenizer=tokenizer, history=history, valid=valid, last_valid_loss=last_loss,
-                averaged_valid_loss=averaged_loss, shuffled_valid_loss=shuffled_loss, averaged=[p.name for p in kept],
-                averaging=averaging,
-                checkpoint=path, train_examples=len(train_examples),
-                train_seconds=last["extra"].get("train_seconds", 0.0),
-                parameters=sum(p.numel() for p in model.parameters()))
-
-
-def strip_special(tokens: list[int]) -> list[int]:
-    """A decoder's output without the leading <s>, cut before the first </s>."""
-    tokens = tokens[1:] if tokens and tokens[0] == BOS_ID else tokens
-    return tokens[: tokens.index(EOS_ID)] if EOS_ID in tokens else tokens
-
-
-MAX_LEN_A, MAX_LEN_B = 1.2, 10
-
-
-@torch.no_grad()
-def translate_ids(model: nn.Module, sources: list[list[int]], *, beam_size: int = 1, length_penalty: float = 0.6,
-                  batch_size: int = 100, max_len_a: float = MAX_LEN_A, max_len_b: int = MAX_LEN_B) -> list[list[int]]:
-    """Translate encoded sources (each ending in </s>); return the output ids without <s> and </s>."""
-    if beam_size < 1 or batch_size < 1:
-        raise ValueError(f"beam_size and batch_size must be >= 1, got {beam_size} and {batch_size}")
-    device = next(model.parameters()).device
-    batches: list[list[int]] = []
-    for index in sorted(range(len(sources)), key=lambda i: len(sources[i])):
-        if not batches or len(batches[-1]) == batch_size or len(sources[batches[-1][0]]) != len(sources[index]):
-            batches.append([])
-        batches[-1].append(index)
-    outputs: list[list[int]] = [[] for _ in sources]
-    for chunk in batches:
-        src = pad_sequences([sources[i] for i in chunk]).to(device)
-        src_mask = padding_mask(src, PAD_ID)
-        max_len = int(max_len_a * src.size(1)) + max_len_b
-        if beam_size == 1:
-            rows = greedy_decode(model, src, src_mask, max_len, BOS_ID, EOS_ID).tolist()
-        else:
-            found = beam_search(model, src, src_mask, max_len, BOS_ID, EOS_ID, beam_size=beam_size,
-                                length_penalty=length_penalty)
-            rows = [hypotheses[0].tokens.tolist() for hypotheses in found]
-        for index, row in zip(chunk, rows):
-            outputs[index] = strip_special(row)
-    return outputs
-
-
-def translate(model: nn.Module, tokenizer, sentences, *, beam_size: int = 1, length_penalty: float = 0.6,
-              batch_size: int = 100) -> list[str]:
-    """Translate German sentences into English: a list of detokenised strings, in the input's order."""
-    sentences = list(sentences)
-    for index, sentence in enumerate(sentences):
-        if not isinstance(sentence, str):
-            raise TypeError(f"sentences must be strings, got {type(sentence).__name__} at index {index}")
-        if not sentence.strip():
-            raise ValueError(f"sentence {index} is empty: there is nothing to translate")
-    was_training = model.training
-    model.eval()
-    try:
-        sources = [ids + [EOS_ID] for ids in tokenizer.encode(sentences)]
-        outputs = translate_ids(model, sources, beam_size=beam_size, length_penalty=length_penalty,
-                                batch_size=batch_size)
-    finally:
-        model.train(was_training)
-    return tokenizer.decode(outputs)
-
-
-class SentencePieces:
-    """The ``translate`` command's tokenizer interface (beam search chapter) for a SentencePiece model."""
-
-    def __init__(self, processor):
-        self.processor = processor
-        self.pad, self.start, self.end = PAD_ID, BOS_ID, EOS_ID
-
-    def encode(self, line: str) -> list[int]:
-        """The source ids of ``line``: its pieces, then </s>."""
-        return self.processor.encode(line) + [EOS_ID]
-
-    def decode(self, ids) -> str:
-        """The text of an output (<s> first; everything from </s> on is dropped)."""
-        return self.processor.decode(strip_special(list(ids)))
-
-    def max_len(self, source_length: int) -> int:
-        """The longest output, <s> included, for a source of ``source_length`` ids (as in ``translate``)."""
-        return int(MAX_LEN_A * source_length) + MAX_LEN_B
-
-
-def checkpoint_tokenizer(checkpoint: dict) -> SentencePieces:
-    """The tokenizer interface of a translation checkpoint (one that holds its tokenizer, such as average.pt)."""
-    data = (checkpoint.get("extra") or {}).get("tokenizer")
-    if data is None:
-        raise ValueError("the checkpoint holds no tokenizer: use the averaged model average.pt, which does "
-                         "(the intermediate step_*.pt files keep theirs in tokenizer.model beside them)")
-    return SentencePieces(tokenizer_from_tensor(data))
+    return dict(averaged=[p.name for p in kept], averaging=averaging, last_valid_loss=last_loss,
+                averaged_valid_loss=averaged_loss, shuffled_valid_loss=shuffled_loss)
 
 
 def bleu(hypotheses: list[str], references: list[str], *, lowercase: bool = False):
     """Corpus BLEU of detokenised ``hypotheses`` against one reference each: (sacreBLEU score, signature string).
-
-    Cased by default (the standard); ``lowercase=True`` approximates the lower-cased, tokenised BLEU of older
-    tutorials.
-    """
+    Cased by default (the standard); ``lowercase=True`` approximates older tutorials' lower-cased BLEU."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     if not references:
@@ -345,8 +347,8 @@ def bleu(hypotheses: list[str], references: list[str], *, lowercase: bool = Fals
     return score, str(metric.get_signature())
 
 
-def evaluate_bleu(model: nn.Module, tokenizer, pairs, *, beam_size: int = 1, length_penalty: float = 0.6,
-                  batch_size: int = 100) -> dict:
+def evaluate_bleu(model: nn.Module, tokenizer: SentencePieces, pairs, *, beam_size: int = 1,
+                  length_penalty: float = 0.6, batch_size: int = 100) -> dict:
     """Translate the sources of ``pairs`` and score them: cased and lower-cased BLEU with signatures, lengths, time."""
     start = time.perf_counter()
     hypotheses = translate(model, tokenizer, [source for source, _ in pairs], beam_size=beam_size,
@@ -364,299 +366,47 @@ def evaluate_bleu(model: nn.Module, tokenizer, pairs, *, beam_size: int = 1, len
 
 @torch.no_grad()
 def attention_maps(model: nn.Module, source: list[int], target: list[int]) -> dict:
-    """Attention weights for one pair (ids; ``source`` ending in </s>, ``target`` without <s>).
-
-    Returns 'encoder': (N, h, S, S) self-attention of each encoder layer, and 'cross': (N, h, T, S) attention of
-    each decoder layer over the source, where row t is the query that predicts ``target[t]`` (T = len(target)).
-    """
+    """Attention weights for one pair of ids (``source`` ending in </s>, ``target`` without <s>): 'encoder', (N, h,
+    S, S) per encoder layer, and 'cross', (N, h, T, S) per decoder layer, row t predicting ``target[t]``."""
     modules = [layer.self_attn for layer in model.encoder.layers] + [layer.src_attn for layer in model.decoder.layers]
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     src = torch.tensor([source], device=device)
     tgt = torch.tensor([[BOS_ID] + list(target)[:-1]], device=device)
     for module in modules:
         module.record_attention = True
     try:
-        model(src, tgt, padding_mask(src, PAD_ID), target_mask(tgt, PAD_ID))
+        with evaluating(model):
+            model(src, tgt, padding_mask(src, PAD_ID), target_mask(tgt, PAD_ID))
         weights = [module.attention_weights[0] for module in modules]
     finally:
         for module in modules:
             module.record_attention, module.attention_weights = False, None
-        model.train(was_training)
     n = len(model.encoder.layers)
     return {"encoder": torch.stack(weights[:n]), "cross": torch.stack(weights[n:])}
 
 
-def cross_attention_example(model: nn.Module, tokenizer, sentence: str, *, beam_size: int = 1,
+def cross_attention_example(model: nn.Module, tokenizer: SentencePieces, sentence: str, *, beam_size: int = 1,
                             length_penalty: float = 0.6) -> dict:
-    """Translate ``sentence`` and return the pieces and the last decoder layer's cross-attention (mean of heads).
-
-    The target pieces are the model's own output (with </s>); ``weights[t][s]`` is the weight that the query
-    producing target piece t gives to source piece s. Plain lists, for a results file.
-    """
-    was_training = model.training
-    model.eval()
-    try:
-        source = tokenizer.encode(sentence) + [EOS_ID]
-        target = translate_ids(model, [source], beam_size=beam_size, length_penalty=length_penalty)[0] + [EOS_ID]
-        weights = attention_maps(model, source, target)["cross"][-1].mean(dim=0)
-    finally:
-        model.train(was_training)
+    """Translate ``sentence``; its pieces, the output's (with </s>) and the last decoder layer's cross-attention
+    (mean of heads; ``weights[t][s]``: target piece t to source piece s), as plain lists for a results file."""
+    source = tokenizer.encode(sentence)
+    target = translate_ids(model, tokenizer, [source], beam_size=beam_size, length_penalty=length_penalty)[0]
+    target = target + [EOS_ID]
+    weights = attention_maps(model, source, target)["cross"][-1].mean(dim=0)
     return dict(sentence=sentence, translation=tokenizer.decode(target[:-1]),
-                source=[tokenizer.id_to_piece(i) for i in source], target=[tokenizer.id_to_piece(i) for i in target],
+                source=[tokenizer.piece(i) for i in source], target=[tokenizer.piece(i) for i in target],
                 weights=[[round(w, 4) for w in row] for row in weights.tolist()])
 
 
-def describe_device(device) -> str:
-    """A readable name of the device: the GPU's model, or the CPU's architecture and thread count."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return f"cuda ({torch.cuda.get_device_name(device)})"
-    threads = torch.get_num_threads()
-    return f"{device.type} ({platform.machine() or 'unknown'}, {threads} thread{'s' if threads != 1 else ''})"
-
-
-def thin(history: dict, points: int = 400) -> dict:
-    """The training history averaged over windows, at most ``points`` points: small enough for a results file."""
-    steps = history.get("step", [])
-    window = max(1, math.ceil(len(steps) / points))
-    thinned = {"step": [steps[min(i + window, len(steps)) - 1] for i in range(0, len(steps), window)]}
-    for key in ("loss", "nll"):
-        values = history.get(key, [])
-        thinned[key] = [sum(values[i : i + window]) / len(values[i : i + window]) for i in range(0, len(values), window)]
-    return thinned
-
-
-def write_results(path, results: dict) -> Path:
-    """Write ``results`` as JSON, without the full lists of hypotheses (kept in memory only)."""
-    def strip(value):
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k != "hypotheses"}
-        return value
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(strip(results), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    return path
-
-
-SWEEP = [(1, 0.6), (2, 0.6), (4, 0.6), (8, 0.6), (4, 0.0), (4, 1.0), (8, 1.0)]
-
-
-def decoding_sweep(model: nn.Module, tokenizer, pairs, settings=SWEEP, log=print) -> list[dict]:
-    """BLEU, length ratio and time of each (beam size, length penalty) in ``settings`` on ``pairs``."""
-    rows = []
-    for beam_size, alpha in settings:
-        scores = evaluate_bleu(model, tokenizer, pairs, beam_size=beam_size, length_penalty=alpha)
-        rows.append(dict(beam_size=beam_size, length_penalty=alpha, bleu=scores["bleu"],
-                         length_ratio=round(scores["hyp_len"] / scores["ref_len"], 4), seconds=scores["seconds"]))
-        log(f"  beam {beam_size}, alpha {alpha}: BLEU {scores['bleu']:.2f}, length ratio {rows[-1]['length_ratio']:.3f}")
-    return rows
-
-
-def run_experiment(config: dict, checkpoint_dir, *, results_path=None, device=None, amp: bool | None = None,
-                   resume: bool = False, progress: bool = True, command: str | None = None, examples: int = 10,
-                   attention_examples=(3, 7), log=print):
-    """Train, average, evaluate greedy and beam search on test2016; return (results, trained).
-
-    With ``config["sweep"]``, the beam sizes and length penalties of ``SWEEP`` are also scored on the validation
-    set, the best of them on it is scored on the test set too (``test["beam_tuned"]``; ``test["beam"]`` keeps the
-    configured setting), and the test set's beam hypotheses are kept for error analysis.
-    ``results`` is JSON-ready (written to ``results_path`` if given); ``trained`` is what
-    :func:`train_translator` returned (model, tokenizer, ...).
-    """
-    started = time.perf_counter()
-    device = get_device(device) if device is None or isinstance(device, str) else torch.device(device)
-    trained = train_translator(config, checkpoint_dir, device=device, amp=amp, resume=resume, progress=progress,
-                               log=log)
-    test = load_split("test")
-    if config["test_limit"]:
-        test = test[: config["test_limit"]]
-    model, tokenizer = trained["model"], trained["tokenizer"]
+def run_experiment(config: TranslationConfig, checkpoint_dir, *, device=None, amp: bool | None = None,
+                   resume: bool = False, progress: bool = True, log=print) -> tuple[dict, dict]:
+    """Train, average, and evaluate greedy and beam search on test2016: ({"split", "greedy", "beam"}, trained)."""
+    trained = train_translator(config, checkpoint_dir, device=get_device(device), amp=amp, resume=resume,
+                               progress=progress, log=log)
+    model, tokenizer, test = trained["model"], trained["tokenizer"], load_split("test")[: config.test_limit]
     greedy = evaluate_bleu(model, tokenizer, test)
-    beam = evaluate_bleu(model, tokenizer, test, beam_size=config["beam_size"], length_penalty=config["length_penalty"])
-    for name, scores in (("greedy", greedy), (f"beam {config['beam_size']}", beam)):
+    beam = evaluate_bleu(model, tokenizer, test, beam_size=config.beam_size, length_penalty=config.length_penalty)
+    for name, scores in (("greedy", greedy), (f"beam {config.beam_size}", beam)):
         log(f"test2016 BLEU ({name}): {scores['bleu']:.2f}  {scores['signature']}")
         log(f"  lower-cased:          {scores['bleu_lowercase']:.2f}  {scores['signature_lowercase']}")
-    results = dict(
-        task=TASK, profile=config["profile"],
-        changed=sorted(k for k, v in PROFILES[config["profile"]].items() if config[k] != v),
-        command=command, config=config, device=describe_device(device), torch=torch.__version__,
-        sacrebleu=sacrebleu.__version__, parameters=trained["parameters"], train_examples=trained["train_examples"],
-        train_seconds=round(trained["train_seconds"], 1), total_seconds=round(time.perf_counter() - started, 1),
-        history=thin(trained["history"]), valid=trained["valid"], valid_loss_last=trained["last_valid_loss"],
-        valid_loss_averaged=trained["averaged_valid_loss"], averaged=trained["averaged"],
-        test={"split": SPLITS["test"], "greedy": greedy, "beam": beam},
-        examples=[dict(source=s, reference=r, greedy=g, beam=b)
-                  for (s, r), g, b in zip(test[:examples], greedy["hypotheses"], beam["hypotheses"])],
-        attention=[cross_attention_example(model, tokenizer, test[min(i, len(test) - 1)][0],
-                                           beam_size=config["beam_size"], length_penalty=config["length_penalty"])
-                   for i in attention_examples],
-        averaging=trained["averaging"], valid_loss_shuffled_sources=trained["shuffled_valid_loss"],
-        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    )
-    if config["sweep"]:
-        log("decoding settings on the validation set:")
-        rows = decoding_sweep(model, tokenizer, load_split("valid"), log=log)
-        best = max(rows, key=lambda row: row["bleu"])            # chosen on the validation set, never on test
-        chosen = dict(beam_size=best["beam_size"], length_penalty=best["length_penalty"])
-        results["sweep"] = {"split": SPLITS["valid"], "rows": rows, "chosen": chosen}
-        tuned = evaluate_bleu(model, tokenizer, test, **chosen)
-        log(f"test2016 BLEU (beam {chosen['beam_size']}, alpha {chosen['length_penalty']}, chosen on the validation "
-            f"set): {tuned['bleu']:.2f}  {tuned['signature']}")
-        results["test"]["beam_tuned"] = tuned
-        results["test_beam_translations"] = beam["hypotheses"]
-        results["total_seconds"] = round(time.perf_counter() - started, 1)
-    if results_path is not None:
-        log(f"results: {write_results(results_path, results)}")
-    return results, trained
-
-
-def add_train_options(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``train --task multi30k`` to the ``train`` sub-parser (see the training chapter)."""
-    group = parser.add_argument_group("multi30k", "settings of --task multi30k; left out: the profile's values")
-    group.add_argument("--vocab-size", type=int, help="pieces in the joint SentencePiece vocabulary")
-    group.add_argument("--train-limit", type=int, help="train on the first N training pairs only")
-    group.add_argument("--max-len", type=int, help="leave out training pairs longer than this many pieces")
-    group.add_argument("--d-ff", type=int, help="inner size of the feed-forward layers")
-    group.add_argument("--heads", type=int, help="attention heads h")
-    group.add_argument("--dropout", type=float, help="residual dropout probability (the paper's)")
-    group.add_argument("--attention-dropout", type=float, help="dropout on the attention weights")
-    group.add_argument("--activation-dropout", type=float, help="dropout inside the feed-forward networks")
-    group.add_argument("--norm-first", action=argparse.BooleanOptionalAction, default=None,
-                       help="pre-norm (--norm-first) or the paper's post-norm (--no-norm-first)")
-    group.add_argument("--embedding-init", choices=EMBEDDING_INITS,
-                       help="the embedding table's initialisation: N(0, 1/d_model) or Xavier")
-    group.add_argument("--max-tokens", type=int, help="padded tokens per side in a micro-batch")
-    group.add_argument("--average", type=int, help="average the last N checkpoints")
-    group.add_argument("--eval-every", type=int,
-                       help="validation loss every N steps (a multiple of --checkpoint-every)")
-    group.add_argument("--valid-limit", type=int, help="validation loss on the first N validation pairs only")
-    group.add_argument("--test-limit", type=int, help="BLEU on the first N test pairs only")
-    group.add_argument("--beam-size", type=int, help="beam size for the final evaluation")
-    group.add_argument("--length-penalty", type=float, help="length penalty alpha of beam search")
-    group.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None,
-                       help="also score beam sizes and length penalties on the validation set")
-    group.add_argument("--results", help="write the results (JSON) to this file")
-
-
-def config_from_args(args) -> dict:
-    """The Multi30k configuration that parsed ``train`` arguments ask for."""
-    def get(name):
-        return getattr(args, name, None)
-
-    if get("batch_size") is not None:
-        raise ValueError("--batch-size counts sentences (copy task); for --task multi30k use --max-tokens")
-    return translation_config(
-        get("profile"), vocab_size=get("vocab_size"), train_limit=get("train_limit"), max_len=get("max_len"),
-        N=get("layers"), d_model=get("d_model"), d_ff=get("d_ff"), h=get("heads"), dropout=get("dropout"),
-        attention_dropout=get("attention_dropout"), activation_dropout=get("activation_dropout"),
-        norm_first=get("norm_first"), embedding_init=get("embedding_init"),
-        smoothing=get("smoothing"), max_tokens=get("max_tokens"), accumulation_steps=get("accumulation_steps"),
-        steps=get("steps"), warmup=get("warmup"), factor=get("factor"), clip_norm=get("clip_norm"),
-        checkpoint_every=get("checkpoint_every") or None, average=get("average"), eval_every=get("eval_every"),
-        valid_limit=get("valid_limit"), test_limit=get("test_limit"), beam_size=get("beam_size"),
-        length_penalty=get("length_penalty"), sweep=get("sweep"), seed=get("seed"),
-    )
-
-
-def command_line() -> str | None:
-    """This process's command line, if it is this package's command line (for the results file)."""
-    if sys.argv and sys.argv[0].endswith(("annotated_transformer/__main__.py", "annotated-transformer")):
-        return "python -m annotated_transformer " + shlex.join(sys.argv[1:])
-    return None
-
-
-def run_train(args) -> int:
-    """Run ``train --task multi30k`` with parsed arguments: train, average, evaluate, write the results."""
-    if getattr(args, "checkpoint_dir", None) is None:
-        raise ValueError("--task multi30k needs --checkpoint-dir: the checkpoints, the tokenizer and the averaged "
-                         "model average.pt are written there")
-    config = config_from_args(args)
-    results, trained = run_experiment(
-        config, args.checkpoint_dir, results_path=getattr(args, "results", None), device=getattr(args, "device", None),
-        amp=getattr(args, "amp", None), resume=getattr(args, "resume", False), progress=getattr(args, "progress", True),
-        command=command_line(),
-    )
-    print(f"averaged model (translate with it): {trained['checkpoint']}")
-    return 0
-
-
-def add_evaluate(subparsers) -> None:
-    """Register ``evaluate``: BLEU of a translation checkpoint on a Multi30k split or any parallel test set."""
-    parser = subparsers.add_parser(
-        "evaluate", help="BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split or a parallel test set",
-        description="Translate a Multi30k split, or any German-English parallel test set (--source and "
-                    "--reference), with a checkpoint written by 'train --task multi30k' and print corpus BLEU "
-                    "(detokenised, cased) and lower-cased BLEU, each with its sacreBLEU signature.",
-    )
-    parser.add_argument("--checkpoint", required=True, help="a translation checkpoint (average.pt, or step_*.pt)")
-    parser.add_argument("--split", choices=sorted(SPLITS), default=None,
-                        help="valid, test (the 2016 Flickr test set) or train (default: test)")
-    parser.add_argument("--source", default=None,
-                        help="a German text file, one sentence a line (plain or .gz); needs --reference")
-    parser.add_argument("--reference", default=None,
-                        help="its English reference translations, line by line (plain or .gz)")
-    parser.add_argument("--beam-size", type=int, default=1, help="1 for greedy search (default: 1)")
-    parser.add_argument("--length-penalty", type=float, default=0.6, help="beam search's alpha (default: 0.6)")
-    parser.add_argument("--limit", type=int, default=None, help="score the first N pairs only (default: all)")
-    parser.add_argument("--batch-size", type=int, default=100, help="sentences translated at once (default: 100)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, mps... (default: AT_DEVICE, else the best)")
-    parser.add_argument("--output", default=None, help="also write the translations to this file, one per line")
-    parser.set_defaults(run=run_evaluate)
-
-
-def read_text_lines(path) -> list[str]:
-    """The lines of a UTF-8 text file, plain or gzip-compressed (by its ``.gz`` suffix), without line ends."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no file at {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8", newline="\n") as stream:
-            return [line.rstrip("\r\n") for line in stream]
-    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as error:
-        raise ValueError(f"{path} is not a UTF-8 text file{' compressed with gzip' if path.suffix == '.gz' else ''}: "
-                         f"{error}") from None
-
-
-def read_parallel(source, reference) -> list[tuple[str, str]]:
-    """(German, English) pairs from two line-aligned files; refuse files of different lengths or empty lines."""
-    sources, references = read_text_lines(source), read_text_lines(reference)
-    if len(sources) != len(references):
-        raise ValueError(f"{source} has {len(sources)} lines but {reference} has {len(references)}: "
-                         "a parallel test set has one reference line per source line")
-    if not sources:
-        raise ValueError(f"{source} is empty: there is nothing to evaluate")
-    for number, (german, english) in enumerate(zip(sources, references), start=1):
-        if not german.strip():
-            raise ValueError(f"line {number} of {source} is empty: there is nothing to translate")
-        if not english.strip():
-            raise ValueError(f"line {number} of {reference} is empty: every source needs a reference")
-    return list(zip(sources, references))
-
-
-def run_evaluate(args) -> int:
-    """Run ``evaluate`` with parsed arguments; print the scores and their signatures."""
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be a positive integer, got {args.limit}")
-    if (args.source is None) != (args.reference is None):
-        raise ValueError("--source and --reference go together: give both files, or neither (for --split)")
-    if args.source is not None and args.split is not None:
-        raise ValueError("give either --split or --source and --reference, not both")
-    if args.source is not None:
-        pairs, name = read_parallel(args.source, args.reference), Path(args.source).name
-    else:
-        name = args.split or "test"
-        pairs = load_split(name)
-    pairs = pairs[: args.limit]
-    model, tokenizer, _ = load_translator(args.checkpoint, args.device)
-    scores = evaluate_bleu(model, tokenizer, pairs, beam_size=args.beam_size, length_penalty=args.length_penalty,
-                           batch_size=args.batch_size)
-    search = "greedy" if args.beam_size == 1 else f"beam {args.beam_size}, alpha {args.length_penalty}"
-    print(f"{name} ({len(pairs)} sentences, {search}): BLEU {scores['bleu']:.2f}  {scores['signature']}")
-    print(f"lower-cased BLEU {scores['bleu_lowercase']:.2f}  {scores['signature_lowercase']}")
-    if args.output:
-        Path(args.output).write_text("".join(h + "\n" for h in scores["hypotheses"]), encoding="utf-8")
-    return 0
+    return {"split": SPLITS["test"], "greedy": greedy, "beam": beam}, trained

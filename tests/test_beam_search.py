@@ -14,10 +14,11 @@ from annotated_transformer.beam_search import (
     TokenIds,
     beam_search,
     length_penalty_factor,
-    tokenizer_from_checkpoint,
-    translate_lines,
+    strip_special,
+    translate,
+    translate_ids,
 )
-from annotated_transformer.cli import main
+from annotated_transformer.cli import main, translate_lines
 from annotated_transformer.decoder import DecoderCache
 from annotated_transformer.decoding import greedy_decode
 from annotated_transformer.masks import padding_mask, subsequent_mask
@@ -272,8 +273,11 @@ def test_empty_source_is_refused():
 def test_token_ids_tokenizer():
     tok = TokenIds(11)
     assert tok.encode(" 3  4 5 ") == [1, 3, 4, 5]
-    assert tok.decode([1, 3, 4, 5]) == "3 4 5"
-    assert TokenIds(11, end=2).decode([1, 3, 2, 4]) == "3"
+    assert tok.decode([3, 4, 5]) == "3 4 5"
+    # a decoder's output: the start symbol goes, and everything from the end symbol on
+    assert strip_special([1, 3, 4, 5], 1) == [3, 4, 5]
+    assert tok.decode(strip_special([1, 3, 4, 5], tok.start, tok.end)) == "3 4 5"
+    assert strip_special([1, 3, 2, 4], 1, 2) == [3]
     assert tok.max_len(4) == 4
     for bad in ("3 x 5", "3 11", "-1", "0 3"):
         with pytest.raises(ValueError):
@@ -281,10 +285,12 @@ def test_token_ids_tokenizer():
 
 
 def test_tokenizer_from_checkpoint():
-    assert isinstance(tokenizer_from_checkpoint({"config": {"tgt_vocab": 11}, "extra": {}}), TokenIds)
-    assert tokenizer_from_checkpoint({"config": {"tgt_vocab": 11}, "extra": {"task": "copy"}}).vocab == 11
+    from annotated_transformer.translation import checkpoint_tokenizer
+
+    assert isinstance(checkpoint_tokenizer({"config": {"tgt_vocab": 11}, "extra": {}}), TokenIds)
+    assert checkpoint_tokenizer({"config": {"tgt_vocab": 11}, "extra": {"task": "copy"}}).vocab == 11
     with pytest.raises(ValueError, match="no tokenizer"):
-        tokenizer_from_checkpoint({"config": {"tgt_vocab": 11}, "extra": {"task": "klingon"}})
+        checkpoint_tokenizer({"config": {"tgt_vocab": 11}, "extra": {"task": "klingon"}})
 
 
 def copy_model(vocab=11, seed=0):
@@ -310,6 +316,8 @@ def test_translate_lines_greedy_matches_greedy_decode():
     src = torch.tensor([[1, 3, 9, 4, 7]])
     expected = greedy_decode(model, src, padding_mask(src, PAD), 5, START)
     assert out == [" ".join(str(t) for t in expected[0, 1:].tolist())]
+    assert translate(model, TokenIds(11), ["3 9 4 7"], beam_size=1) == out
+    assert translate_ids(model, TokenIds(11), [[1, 3, 9, 4, 7]], beam_size=1) == [expected[0, 1:].tolist()]
 
 
 def test_translate_lines_names_a_bad_line():
@@ -317,9 +325,48 @@ def test_translate_lines_names_a_bad_line():
         translate_lines(copy_model(), TokenIds(11), ["3 4", "3 x"])
 
 
+def test_translate_ids_beam_matches_beam_search_in_any_batch():
+    """One entry point: beam sizes > 1 are beam_search's best hypothesis, whatever the batch and the order."""
+    model = copy_model(seed=2).double()
+    sources = [[1, 3, 4, 5], [1, 6, 7], [1, 8, 9, 10], [1, 4, 4]]
+    tok = TokenIds(11)
+    outputs = translate_ids(model, tok, sources, beam_size=3, batch_size=2)
+    for source, output in zip(sources, outputs):
+        src = torch.tensor([source])
+        best = beam_search(model, src, padding_mask(src, PAD), len(source), START, None, beam_size=3)[0][0]
+        assert output == best.tokens[1:].tolist()
+    assert outputs == translate_ids(model, tok, sources[::-1], beam_size=3, batch_size=1)[::-1]
+    assert outputs == translate_ids(model, tok, sources, beam_size=3, batch_size=1)
+
+
+def test_translate_ids_and_translate_refuse_bad_input():
+    model, tok = copy_model(), TokenIds(11)
+    with pytest.raises(ValueError, match="beam_size and batch_size"):
+        translate_ids(model, tok, [[1, 3]], beam_size=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        translate_ids(model, tok, [[1, 3], []])
+    with pytest.raises(ValueError, match="sentence 1 is empty"):
+        translate(model, tok, ["3 4", " "])
+    with pytest.raises(ValueError, match="sentence 1: expected token ids"):
+        translate(model, tok, ["3 4", "3 x"])
+    with pytest.raises(TypeError, match="must be strings"):
+        translate(model, tok, [[3, 4]])
+
+
+def test_translate_ids_decodes_in_evaluation_mode():
+    model = copy_model()
+    model.train()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.9
+    once = translate_ids(model, TokenIds(11), [[1, 3, 4, 5, 6]] * 4, beam_size=1)
+    assert all(out == once[0] for out in once) and model.training   # no dropout, and the mode is restored
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from annotated_transformer.training import save_checkpoint
+    from annotated_transformer.checkpoints import save_checkpoint
 
     model = copy_model()
     return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "copy.pt", model=model, config=model.config,

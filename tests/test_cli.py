@@ -110,3 +110,49 @@ def test_command_line_works_without_the_notebook_tools():
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["multi30k 3", "tangle needs jupytext"]
+
+
+# --- translate, evaluate and train --task multi30k ---------------------------------------------------------------
+
+def help_of(capsys, command: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_translate_and_evaluate_help_list_every_option(capsys) -> None:
+    out = help_of(capsys, "translate")
+    assert out.startswith(f"usage: {PROG} translate")
+    for option in ("--checkpoint", "--beam-size", "--input", "--max-len", "--batch-size", "--length-penalty",
+                   "--penalty {gnmt,simple,none}", "--device"):
+        assert option in out, option
+    out = help_of(capsys, "evaluate")
+    assert out.startswith(f"usage: {PROG} evaluate")
+    for option in ("--checkpoint", "--split {test,train,valid}", "--source", "--reference", "--beam-size",
+                   "--length-penalty", "--limit", "--batch-size", "--device", "--output"):
+        assert option in out, option
+
+
+def test_train_help_lists_the_options_of_the_translation_task(capsys) -> None:
+    out = help_of(capsys, "train")
+    assert "settings of --task multi30k; left out: the profile's values" in out
+    for option in ("--vocab-size", "--train-limit", "--max-len", "--d-ff", "--heads", "--dropout",
+                   "--attention-dropout", "--activation-dropout", "--norm-first, --no-norm-first",
+                   "--embedding-init {normal,xavier}", "--max-tokens", "--average", "--eval-every", "--valid-limit",
+                   "--test-limit", "--beam-size", "--length-penalty", "--sweep, --no-sweep", "--results"):
+        assert option in out, option
+
+
+def test_translation_options_become_a_checked_configuration(capsys, tmp_path: Path) -> None:
+    from annotated_transformer.cli import build_parser, translation_config_from_args
+
+    parser = build_parser(only="train")
+    config = translation_config_from_args(parser.parse_args(["train", "--task", "multi30k", "--profile", "laptop",
+                                                             "--heads", "8", "--no-sweep"]))
+    assert config.h == 8 and config.sweep is False and config.changed() == ["h", "sweep"]
+    # a bad value is refused, naming the setting, before anything runs
+    assert main(["train", "--task", "multi30k", "--profile", "quick", "--dropout", "1.5", "--checkpoint-dir",
+                 str(tmp_path / "run")]) == 2
+    assert "dropout must lie in [0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

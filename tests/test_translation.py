@@ -7,7 +7,6 @@ command. Resuming is checked against an uninterrupted run. The data come from AN
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -17,13 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated_transformer import training
-from annotated_transformer.data import BOS_ID, DATA_ENV, EOS_ID
+from dataclasses import asdict
+
+from annotated_transformer.beam_search import strip_special, translate, translate_ids
+from annotated_transformer.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from annotated_transformer.cli import build_parser, translation_config_from_args
+from annotated_transformer.data import BOS_ID, EOS_ID
+from annotated_transformer.download import DATA_ENV
 from annotated_transformer.model import make_model
-from annotated_transformer.training import latest_checkpoint, load_checkpoint, save_checkpoint
+from annotated_transformer.records import record_experiment, thin
 from annotated_transformer.translation import (
-    PROFILES, SentencePieces, add_evaluate, add_train_options, bleu, checkpoint_tokenizer, config_from_args,
-    load_translator, run_experiment, run_train, strip_special, thin, train_translator, translate, translate_ids, translation_config,
+    PROFILES, SentencePieces, TranslationConfig, bleu, checkpoint_tokenizer, load_translator, train_translator,
+    translation_config,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,27 +56,29 @@ def run(environment, tmp_path_factory):
     folder = tmp_path_factory.mktemp("run")
     results_file = folder / "results.json"
     config = translation_config("quick", **TINY)
-    results, trained = run_experiment(config, folder / "checkpoints", results_path=results_file, device="cpu",
-                                      progress=False, log=lambda message: None)
+    results, trained = record_experiment(config, folder / "checkpoints", results_path=results_file, device="cpu",
+                                         progress=False, log=lambda message: None)
     return results, trained, folder / "checkpoints", results_file
 
 
 def test_config_profiles_and_overrides():
     quick, full, laptop = translation_config("quick"), translation_config("full"), translation_config("laptop")
-    assert quick["profile"] == "quick" and full["profile"] == "full" and laptop["profile"] == "laptop"
-    assert full["d_model"] == 512 and full["N"] == 3 and full["vocab_size"] == 8000 and full["smoothing"] == 0.1
-    assert laptop["d_model"] == 256 and laptop["N"] == 3 and laptop["max_tokens"] == 2048
-    assert set(PROFILES["quick"]) == set(PROFILES["full"]) == set(PROFILES["laptop"])
+    assert quick.profile == "quick" and full.profile == "full" and laptop.profile == "laptop"
+    assert full.d_model == 512 and full.N == 3 and full.vocab_size == 8000 and full.smoothing == 0.1
+    assert laptop.d_model == 256 and laptop.N == 3 and laptop.max_tokens == 2048
+    assert set(asdict(PROFILES["quick"])) == set(asdict(PROFILES["full"])) == set(asdict(PROFILES["laptop"]))
+    assert all(isinstance(c, TranslationConfig) for c in (quick, laptop, full))
     # one recipe: pre-norm and N(0, 1/d_model) embeddings everywhere
-    assert all(c["norm_first"] and c["embedding_init"] == "normal" for c in (quick, laptop, full))
-    assert translation_config("laptop", norm_first=False)["norm_first"] is False
+    assert all(c.norm_first and c.embedding_init == "normal" for c in (quick, laptop, full))
+    assert translation_config("laptop", norm_first=False).norm_first is False
     with pytest.raises(TypeError, match="norm_first must be True or False"):
         translation_config("quick", norm_first="yes")
     with pytest.raises(ValueError, match="embedding_init"):
         translation_config("quick", embedding_init="uniform")
     with pytest.raises(ValueError, match="attention_dropout"):
         translation_config("quick", attention_dropout=1.0)
-    assert translation_config("quick", steps=7, N=None)["steps"] == 7  # None keeps the profile's value
+    assert translation_config("quick", steps=7, N=None).steps == 7  # None keeps the profile's value
+    assert translation_config("quick", steps=7, N=None).N == PROFILES["quick"].N
     with pytest.raises(ValueError, match="unknown setting 'layers'"):
         translation_config("quick", layers=2)
     with pytest.raises(ValueError, match="multiple of checkpoint_every"):
@@ -81,6 +87,21 @@ def test_config_profiles_and_overrides():
         translation_config("quick", steps=0)
     with pytest.raises(ValueError, match="dropout"):
         translation_config("quick", dropout=1.5)
+    # checked once, when made: by the profiles' constructor and by any other
+    with pytest.raises(ValueError, match="divisible by h"):
+        translation_config("quick", d_model=66)
+    with pytest.raises(ValueError, match="train_limit must be a positive integer"):
+        translation_config("quick", train_limit=0)
+    with pytest.raises(ValueError, match="length_penalty"):
+        translation_config("quick", length_penalty=-0.1)
+    with pytest.raises(ValueError, match="smoothing must lie in"):
+        TranslationConfig(**dict(asdict(PROFILES["quick"]), smoothing=1.0))
+    with pytest.raises(TypeError, match="max_tokens must be an int"):
+        translation_config("quick", max_tokens=1000.0)
+    # the records keep the configuration as a dict with the same keys, in the same order
+    recorded = json.loads((ROOT / "book" / "results" / "multi30k-laptop.json").read_text())["config"]
+    assert list(asdict(laptop)) == list(recorded) and asdict(laptop) == recorded
+    assert translation_config("laptop", steps=400, average=1).changed() == ["average", "steps"]
 
 
 def test_end_to_end_results(run):
@@ -134,7 +155,7 @@ def test_checkpoint_translates_on_its_own(run):
     assert all(isinstance(s, str) for s in expected)
     # The intermediate checkpoints find the tokenizer beside them.
     model, tokenizer, _ = load_translator(folder / "step_00000030.pt", device="cpu")
-    assert tokenizer.get_piece_size() == 500
+    assert tokenizer.vocab_size == 500 and tokenizer.processor.get_piece_size() == 500
 
 
 def test_translate_refuses_bad_input(run):
@@ -149,18 +170,21 @@ def test_translate_ids_returns_pieces_without_special_symbols(run):
     _, trained, _, _ = run
     sentences = ["Eine Frau liest ein Buch auf einer Bank im Park.", "Ein Hund.", "Zwei Kinder spielen.",
                  "Ein Mann in einem roten Hemd fährt mit dem Fahrrad durch die Stadt."]
-    sources = [ids + [EOS_ID] for ids in trained["tokenizer"].encode(sentences)]
+    tokenizer = trained["tokenizer"]
+    sources = [ids + [EOS_ID] for ids in tokenizer.processor.encode(sentences)]
+    assert sources == [tokenizer.encode(sentence) for sentence in sentences]
     for beam_size in (1, 2):
-        batched = translate_ids(trained["model"], sources, beam_size=beam_size, batch_size=3)
+        batched = translate_ids(trained["model"], tokenizer, sources, beam_size=beam_size, batch_size=3)
         assert all(EOS_ID not in ids and BOS_ID not in ids for ids in batched)
         # Sorting by length into batches does not change the results or their order.
-        assert batched == [translate_ids(trained["model"], [source], beam_size=beam_size)[0] for source in sources]
+        assert batched == [translate_ids(trained["model"], tokenizer, [source], beam_size=beam_size)[0]
+                           for source in sources]
 
 
 def test_translate_command_interface_matches_translate(run, tmp_path, monkeypatch, capsys):
-    """The beam search chapter's translate_lines and `translate` command, with this chapter's tokenizer interface."""
-    from annotated_transformer import beam_search
-    from annotated_transformer.cli import main
+    """The command line's translate_lines and `translate` command, with this chapter's tokenizer interface, found
+    by the checkpoint's task (no registration at run time)."""
+    from annotated_transformer.cli import main, translate_lines
 
     _, trained, folder, _ = run
     sentences = ["Ein Hund läuft über eine Wiese.", "Zwei Männer spielen Fußball.", "Eine Frau liest."]
@@ -169,16 +193,22 @@ def test_translate_command_interface_matches_translate(run, tmp_path, monkeypatc
     assert isinstance(pieces, SentencePieces) and pieces.encode("Ein Hund.")[-1] == EOS_ID
     for beam_size in (1, 2):
         expected = translate(trained["model"], trained["tokenizer"], sentences, beam_size=beam_size)
-        lines = beam_search.translate_lines(trained["model"], pieces, sentences, beam_size=beam_size)
+        lines = translate_lines(trained["model"], pieces, sentences, beam_size=beam_size)
         assert lines == expected
-    monkeypatch.setitem(beam_search.TOKENIZERS, "multi30k", checkpoint_tokenizer)
     (tmp_path / "de.txt").write_text("\n".join(sentences[:2] + [""] + sentences[2:]) + "\n", encoding="utf-8")
     code = main(["translate", "--checkpoint", str(folder / "average.pt"), "--input", str(tmp_path / "de.txt"),
                  "--beam-size", "2", "--device", "cpu"])
     assert code == 0
     assert capsys.readouterr().out.splitlines() == expected[:2] + [""] + expected[2:]
+    # an intermediate checkpoint holds no tokenizer: a Multi30k one found without its folder is refused, and in its
+    # folder it finds tokenizer.model beside it (also when it names no task, as the training loop writes them)
+    step = torch.load(folder / "step_00000030.pt", weights_only=True)
     with pytest.raises(ValueError, match="holds no tokenizer"):
-        checkpoint_tokenizer(torch.load(folder / "step_00000030.pt", weights_only=True))
+        checkpoint_tokenizer(dict(step, extra=dict(step["extra"], task="multi30k")))
+    assert checkpoint_tokenizer(step, folder / "step_00000030.pt").vocab_size == 500
+    code = main(["translate", "--checkpoint", str(folder / "step_00000030.pt"), "--input", str(tmp_path / "de.txt"),
+                 "--beam-size", "1", "--device", "cpu"])
+    assert code == 0 and len(capsys.readouterr().out.splitlines()) == 4
 
 
 def test_load_translator_refuses_a_checkpoint_without_tokenizer(tmp_path):
@@ -221,46 +251,34 @@ def test_bleu():
 
 
 def test_strip_special_and_thin():
-    assert strip_special([BOS_ID, 7, 8, EOS_ID, EOS_ID]) == [7, 8]
-    assert strip_special([BOS_ID, 7, 8]) == [7, 8]
+    assert strip_special([BOS_ID, 7, 8, EOS_ID, EOS_ID], BOS_ID, EOS_ID) == [7, 8]
+    assert strip_special([BOS_ID, 7, 8], BOS_ID, EOS_ID) == [7, 8]
     history = {"step": list(range(1, 1001)), "loss": [float(i) for i in range(1000)]}
     small = thin(history, points=100)
     assert len(small["step"]) == len(small["loss"]) == 100 and small["step"][-1] == 1000
     assert small["loss"][0] == pytest.approx(4.5)
 
 
-def parser_as_wired(monkeypatch) -> argparse.ArgumentParser:
-    """The command line as the CLI chapter is asked to wire it: train (copy, multi30k) and evaluate."""
-    if "multi30k" not in training.TASKS:
-        monkeypatch.setattr(training, "TASKS", [*training.TASKS, "multi30k"])
-    parser = argparse.ArgumentParser(prog="python -m annotated_transformer")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    training.add_train(subparsers)
-    add_train_options(subparsers.choices["train"])
-    add_evaluate(subparsers)
-    return parser
-
-
-def test_command_line_train_and_evaluate(environment, tmp_path, monkeypatch, capsys):
+def test_command_line_train_and_evaluate(environment, tmp_path, capsys):
     torch.set_num_threads(1)
-    parser = parser_as_wired(monkeypatch)
+    parser = build_parser()
     options = ["--vocab-size", "500", "--train-limit", "2000", "--max-len", "20", "--layers", "1", "--d-model", "32",
                "--d-ff", "64", "--heads", "2", "--max-tokens", "600", "--steps", "10", "--warmup", "5",
                "--checkpoint-every", "5", "--eval-every", "10", "--average", "2", "--valid-limit", "20",
                "--test-limit", "8", "--beam-size", "2", "--smoothing", "0.1", "--no-progress"]
     args = parser.parse_args(["train", "--task", "multi30k", "--profile", "quick", *options,
                               "--checkpoint-dir", str(tmp_path / "run"), "--results", str(tmp_path / "r.json")])
-    assert config_from_args(args)["N"] == 1 and config_from_args(args)["smoothing"] == 0.1
-    assert run_train(args) == 0
+    assert translation_config_from_args(args).N == 1 and translation_config_from_args(args).smoothing == 0.1
+    assert args.run(args) == 0
     out = capsys.readouterr().out
     assert "test2016 BLEU (greedy)" in out and "nrefs:1|case:mixed" in out and "average.pt" in out
     assert json.loads((tmp_path / "r.json").read_text())["config"]["steps"] == 10
     args = parser.parse_args(["train", "--task", "multi30k", "--profile", "quick", *options, "--no-norm-first",
                               "--embedding-init", "xavier", "--attention-dropout", "0.1", "--activation-dropout", "0.05",
                               "--checkpoint-dir", str(tmp_path / "post"), "--results", str(tmp_path / "post.json")])
-    config = config_from_args(args)
-    assert config["norm_first"] is False and config["embedding_init"] == "xavier"
-    assert run_train(args) == 0
+    config = translation_config_from_args(args)
+    assert config.norm_first is False and config.embedding_init == "xavier"
+    assert args.run(args) == 0
     capsys.readouterr()
     recorded = json.loads((tmp_path / "post.json").read_text())
     assert recorded["config"]["norm_first"] is False and "norm_first" in recorded["changed"]
@@ -312,11 +330,11 @@ def test_command_line_train_and_evaluate(environment, tmp_path, monkeypatch, cap
 
     no_folder = parser.parse_args(["train", "--task", "multi30k", *options])
     with pytest.raises(ValueError, match="needs --checkpoint-dir"):
-        run_train(no_folder)
+        no_folder.run(no_folder)
     sentences = parser.parse_args(["train", "--task", "multi30k", "--batch-size", "32", *options,
                                    "--checkpoint-dir", str(tmp_path / "other")])
     with pytest.raises(ValueError, match="use --max-tokens"):
-        run_train(sentences)
+        sentences.run(sentences)
 
 
 def test_python_dash_m_where_wired(environment, tmp_path, capsys):
@@ -362,10 +380,17 @@ def test_the_recipe_reads_its_source(environment, tmp_path):
     from annotated_transformer.translation import validation_loss
 
     model, tokenizer = trained["model"], trained["tokenizer"]
-    examples = encode_pairs(load_split("valid")[:200], tokenizer)
+    examples = encode_pairs(load_split("valid")[:200], tokenizer.processor)
     with torch.no_grad():
         for layer in model.decoder.layers:              # the decoder no longer sees the encoder's output
             layer.src_attn.w_o.weight.zero_()
             layer.src_attn.w_o.bias.zero_()
     blind, blind_shuffled = validation_loss(model, examples), validation_loss(model, examples, shuffle_sources=True)
     assert abs(blind - blind_shuffled) < 1e-4         # the check cannot tell sources apart: it would fail
+
+
+def test_a_results_path_that_cannot_be_written_is_refused_before_training(environment, tmp_path):
+    config = translation_config("quick", **TINY)
+    with pytest.raises(ValueError, match="is a folder"):
+        record_experiment(config, tmp_path / "run", results_path=tmp_path, device="cpu", log=lambda message: None)
+    assert not (tmp_path / "run").exists()
