@@ -9,113 +9,50 @@ import hashlib
 import os
 import tempfile
 import unicodedata
-import urllib.error
-import urllib.request
+import zlib
 from pathlib import Path
 from typing import Sequence
 
 import sentencepiece as spm
 import torch
 
+from annotated_transformer.download import cache_dir, fetch
 from annotated_transformer.training import Batch, token_batches
 
 
-MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
-MULTI30K_FILES = {
-    "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
-    "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
-    "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
-    "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
-    "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
-    "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
-}
 SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
 SPLIT_SIZES = {"train": 29_000, "valid": 1_014, "test": 1_000}
-DATA_ENV = "ANNOTATED_TRANSFORMER_DATA"
-CACHE_ENV = "ANNOTATED_TRANSFORMER_CACHE"
 
 
-def cache_dir() -> Path:
-    """Where downloads and tokenizers are cached: $ANNOTATED_TRANSFORMER_CACHE or ~/.cache/annotated_transformer."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "annotated_transformer")
+def read_lines(path) -> list[str]:
+    """The lines of a UTF-8 text file, plain or gzip-compressed (by its ``.gz`` suffix), without line ends.
 
-
-def sha256(path: Path) -> str:
-    """The SHA-256 digest of a file, as 64 hexadecimal digits."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify(path: Path, name: str) -> Path:
-    """Return ``path`` if its SHA-256 is the one expected for the Multi30k file ``name``; raise ValueError if not."""
-    actual = sha256(path)
-    if actual != MULTI30K_FILES[name]:
-        raise ValueError(
-            f"{path} has SHA-256 {actual}, expected {MULTI30K_FILES[name]}: the file is corrupt or not the "
-            f"Multi30k {name}; delete it (or replace it with the right file) and try again"
-        )
-    return path
-
-
-def download(url: str, destination: Path, name: str) -> Path:
-    """Download to a temporary file next to ``destination``, verify, then rename: never a partial file."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=destination.parent, prefix=f".{name}.", suffix=".part")
-    try:
-        with os.fdopen(handle, "wb") as stream, urllib.request.urlopen(url, timeout=60) as response:
-            for block in iter(lambda: response.read(1 << 16), b""):
-                stream.write(block)
-        verify(Path(temporary), name)
-        os.replace(temporary, destination)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-    return destination
-
-
-def fetch(name: str, directory: str | os.PathLike | None = None, url: str = MULTI30K_URL) -> Path:
-    """The path of a verified Multi30k file, downloading it into the cache if needed.
-
-    With ``directory`` (or $ANNOTATED_TRANSFORMER_DATA) the file must already be there: nothing is downloaded.
-    Otherwise it is taken from the cache, or downloaded from ``url + name`` into the cache.
+    One sentence a line. A missing file or a folder raises FileNotFoundError; bytes that are not UTF-8 (the error
+    names the line) or a damaged gzip stream raise ValueError. Every message names the file.
     """
-    if name not in MULTI30K_FILES:
-        raise ValueError(f"unknown Multi30k file {name!r}; expected one of {sorted(MULTI30K_FILES)}")
-    if not url.endswith("/"):
-        raise ValueError(f"url must be a folder URL ending in '/', got {url!r}")
-    local = directory if directory is not None else os.environ.get(DATA_ENV)
-    if local:
-        path = Path(local) / name
-        if not path.exists():
-            source = "the directory argument" if directory is not None else DATA_ENV
-            raise FileNotFoundError(
-                f"{name} is not in {local} (set by {source}); put the Multi30k file there "
-                f"(from {url}{name}) or unset {DATA_ENV} to download it"
-            )
-        return verify(path, name)
-    path = cache_dir() / "multi30k" / name
-    if path.exists():
-        return verify(path, name)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is a folder, not a text file" if path.is_dir() else f"no file at {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    lines = []
     try:
-        return download(url + name, path, name)
-    except (urllib.error.URLError, OSError) as error:
-        raise FileNotFoundError(
-            f"could not download {name} from {url}{name} ({error}); without a network, download it elsewhere "
-            f"and put it in a folder named by {DATA_ENV}, or in {path.parent}"
-        ) from error
-
-
-def read_lines(path: Path) -> list[str]:
-    """The lines of a gzip-compressed UTF-8 text file, without their line ends."""
-    with gzip.open(path, "rt", encoding="utf-8", newline="\n") as stream:
-        return [line.rstrip("\n") for line in stream]
+        with opener(path, "rb") as stream:
+            for number, line in enumerate(stream, start=1):
+                lines.append(line.decode("utf-8").rstrip("\r\n"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"line {number} of {path} is not UTF-8 text: {error.reason} at byte {error.start + 1} "
+                         f"of the line") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+        raise ValueError(f"{path} is not a UTF-8 text file compressed with gzip: {error}") from None
+    return lines
 
 
 def load_split(split: str, directory=None) -> list[tuple[str, str]]:
-    """The (German, English) sentence pairs of a split: 'train' (29,000), 'valid' (1,014) or 'test' (1,000)."""
+    """The (German, English) sentence pairs of a split: 'train' (29,000), 'valid' (1,014) or 'test' (1,000).
+
+    The files come from ``fetch`` (see the appendix on downloading the data): from ``directory``, the folder
+    named by $ANNOTATED_TRANSFORMER_DATA, the cache or a download, always verified.
+    """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
     stem = SPLITS[split]

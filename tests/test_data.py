@@ -1,4 +1,5 @@
-"""Multi30k loading, the joint SentencePiece tokenizer and batching (book/data.md).
+"""Multi30k loading, the joint SentencePiece tokenizer and batching (book/data.md), and the download, checksums and
+caching behind the loading (book/appendix_data.md).
 
 The data come from the folder named by ANNOTATED_TRANSFORMER_DATA (CI sets it; the development machines keep the
 files in ../shared/datasets/multi30k relative to the repository, which is used when the variable is unset). The
@@ -16,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated_transformer import data
+from annotated_transformer import data, download
 from annotated_transformer.data import (
-    BOS_ID, DATA_ENV, EOS_ID, MULTI30K_FILES, PAD_ID, UNK_ID, EpochBatches, collate, encode_pairs, fetch, load_split,
-    load_tokenizer, normalize, pad_sequences, tokenizer_from_tensor, tokenizer_to_tensor, train_tokenizer,
+    BOS_ID, EOS_ID, PAD_ID, UNK_ID, EpochBatches, collate, encode_pairs, load_split, load_tokenizer, normalize,
+    pad_sequences, read_lines, tokenizer_from_tensor, tokenizer_to_tensor, train_tokenizer,
 )
+from annotated_transformer.download import DATA_ENV, MULTI30K_FILES, fetch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,7 +136,7 @@ def test_offline_message_says_what_to_do(offline, monkeypatch):
     with pytest.raises(FileNotFoundError) as error:
         fetch("train.en.gz")
     message = str(error.value)
-    assert "train.en.gz" in message and data.MULTI30K_URL in message
+    assert "train.en.gz" in message and download.MULTI30K_URL in message
     assert DATA_ENV in message and str(offline / "multi30k") in message
     assert files_in(offline) == []
 
@@ -175,9 +177,50 @@ def test_mismatched_line_counts_are_refused(tmp_path, monkeypatch):
     for name, lines in (("val.de.gz", ["a", "b"]), ("val.en.gz", ["a"])):
         with gzip.open(tmp_path / name, "wt", encoding="utf-8") as stream:
             stream.write("\n".join(lines) + "\n")
-    monkeypatch.setattr(data, "verify", lambda path, name: path)  # these are not the real files
+    monkeypatch.setattr(download, "verify", lambda path, name: path)  # these are not the real files
     with pytest.raises(ValueError, match="2 German lines but 1 English lines"):
         load_split("valid", directory=tmp_path)
+
+
+def test_read_lines_plain_and_gzip(tmp_path):
+    lines = ["Ein Hund läuft.", "", "Zwei Männer\tlachen.", "ﬁ\u00a0x  "]
+    text = "".join(line + "\n" for line in lines)
+    (tmp_path / "a.de").write_text(text, encoding="utf-8")
+    with gzip.open(tmp_path / "a.de.gz", "wt", encoding="utf-8") as stream:
+        stream.write(text)
+    assert read_lines(tmp_path / "a.de") == lines == read_lines(str(tmp_path / "a.de.gz"))
+    (tmp_path / "crlf.en").write_bytes(b"one\r\ntwo\r\nthree")  # Windows line ends, no final line end
+    assert read_lines(tmp_path / "crlf.en") == ["one", "two", "three"]
+    (tmp_path / "cr.en").write_bytes(b"a\rb\n")  # only \n ends a line
+    assert read_lines(tmp_path / "cr.en") == ["a\rb"]
+    (tmp_path / "empty.en").write_bytes(b"")
+    assert read_lines(tmp_path / "empty.en") == []
+
+
+def test_read_lines_errors_name_the_file_and_line(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no file at .*missing.de"):
+        read_lines(tmp_path / "missing.de")
+    with pytest.raises(FileNotFoundError, match="is a folder"):
+        read_lines(tmp_path)
+    bad = "Ein Hund.\nZwei Hunde.\nDrei Männer.\n".encode("latin-1")
+    (tmp_path / "bad.de").write_bytes(bad)
+    with pytest.raises(ValueError, match=r"line 3 of .*bad\.de is not UTF-8"):
+        read_lines(tmp_path / "bad.de")
+    with gzip.open(tmp_path / "bad.de.gz", "wb") as stream:
+        stream.write(bad)
+    with pytest.raises(ValueError, match=r"line 3 of .*bad\.de\.gz is not UTF-8"):
+        read_lines(tmp_path / "bad.de.gz")
+    (tmp_path / "plain.de.gz").write_text("not compressed\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="plain.de.gz is not a UTF-8 text file compressed with gzip"):
+        read_lines(tmp_path / "plain.de.gz")
+    (tmp_path / "cut.de.gz").write_bytes(gzip.compress(b"Ein Hund.\n" * 1000)[:-20])
+    with pytest.raises(ValueError, match="cut.de.gz is not a UTF-8 text file compressed with gzip"):
+        read_lines(tmp_path / "cut.de.gz")
+    damaged = bytearray(gzip.compress("".join(f"Satz {i}.\n" for i in range(5000)).encode()))
+    damaged[200:260] = bytes(60)
+    (tmp_path / "damaged.de.gz").write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match="damaged.de.gz"):
+        read_lines(tmp_path / "damaged.de.gz")
 
 
 # ---------------------------------------------------------------- tokenizer
