@@ -56,7 +56,7 @@ test: check
 	$(MAKE) --no-print-directory site
 
 bench: $(STAMP)
-	$(PY) -m annotated_transformer.bench
+	$(PY) -m annotated_transformer bench
 
 clean:
 	rm -rf _build

@@ -68,10 +68,9 @@ translation)
 checks)
     enter_step
     "$PYTHON" -m pytest tests -m cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/cuda-tests.log" || status=$?
-    "$PYTHON" -m annotated_transformer.bench "${TINY[@]}" --device "$AT_DEVICE" --json "$RESULTS/bench_gpu.json" 2>&1 \
+    "$PYTHON" -m annotated_transformer bench "${TINY[@]}" --device "$AT_DEVICE" --json "$RESULTS/bench_gpu.json" 2>&1 \
         | tee "$OUT/bench.log"
     [ "$RESULTS" = "$OUT/results" ] || cp "$RESULTS/bench_gpu.json" "$OUT/"
-    "$PYTHON" tests/bench_decoding.py "${TINY[@]}" --device "$AT_DEVICE" 2>&1 | tee "$OUT/bench-decoding.log"
     "$PYTHON" -m annotated_transformer train --task copy "${COPY[@]}" --device "$AT_DEVICE" --no-progress 2>&1 \
         | tee "$OUT/copy-bf16.log"
     exit "${status:-0}"

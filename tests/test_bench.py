@@ -1,7 +1,10 @@
-"""The benchmark module, `python -m annotated_transformer.bench` (book/performance.md).
+"""The measuring tools (book/measuring.md), the layers of Table 1 (book/why_attention.md), the performance
+measurements (book/performance.md) and the benchmark harness, `python -m annotated_transformer bench`
+(book/appendix_bench.md).
 
 Timings are never asserted (they are noise on a shared machine); the tests check the command line and its tables,
-the FLOP and MFU arithmetic, the memory measurements, the online softmax and the layers of Table 1.
+the FLOP and MFU arithmetic, the memory measurements, the online softmax, the decoding benchmark and the layers of
+Table 1.
 """
 from __future__ import annotations
 
@@ -16,23 +19,22 @@ import torch
 import torch.nn.functional as F
 
 from annotated_transformer.attention import attention
-from annotated_transformer.bench import (
+from annotated_transformer.bench import SECTIONS, TABLES, run_benchmarks
+from annotated_transformer.layer_types import (
     LAYER_KINDS,
-    SECTIONS,
-    TABLES,
     RestrictedSelfAttention,
     SelfAttentionCore,
-    TorchTransformer,
-    format_table,
-    largest_tensor_bytes,
     layer_flops,
     make_layer,
+)
+from annotated_transformer.measure import format_table, largest_tensor_bytes, saved_tensor_bytes, time_side_by_side
+from annotated_transformer.performance import (
+    DECODING_METHODS,
+    TorchTransformer,
+    decoding_throughput,
     mfu,
     online_softmax_attention,
     peak_flops,
-    run_benchmarks,
-    saved_tensor_bytes,
-    time_side_by_side,
     train_step_flops,
     training_throughput,
 )
@@ -48,7 +50,7 @@ def headers(section: str) -> list[str]:
 def test_smoke_command_prints_every_table_and_saves_json(tmp_path) -> None:
     out = tmp_path / "results" / "smoke.json"
     result = subprocess.run(
-        [sys.executable, "-m", "annotated_transformer.bench", "--smoke", "--device", "cpu", "--threads", "1",
+        [sys.executable, "-m", "annotated_transformer", "bench", "--smoke", "--device", "cpu", "--threads", "1",
          "--clock", "cpu", "--json", str(out)],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
@@ -64,6 +66,8 @@ def test_smoke_command_prints_every_table_and_saves_json(tmp_path) -> None:
     saved = json.loads(out.read_text())
     assert saved["meta"]["smoke"] is True and saved["meta"]["device"] == "cpu"
     assert saved["meta"]["threads"] == 1 and saved["meta"]["clock"] == "cpu"
+    assert saved["meta"]["command"] == ("python -m annotated_transformer bench --smoke --device cpu --threads 1 "
+                                        f"--clock cpu --json {out}")
     for section in SECTIONS:
         assert saved[section], section
     assert {row["method"] for row in saved["decoding"]} == {"greedy, no cache", "greedy, cache", "beam 4, cache"}
@@ -74,22 +78,45 @@ def test_smoke_command_prints_every_table_and_saves_json(tmp_path) -> None:
 
 
 def test_command_line_refuses_a_missing_device_and_unknown_sections(capsys) -> None:
-    from annotated_transformer.bench import main
+    from annotated_transformer.cli import main
 
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA is not available"):
-            main(["--smoke", "--device", "cuda"])
+            main(["bench", "--smoke", "--device", "cuda"])
     with pytest.raises(SystemExit) as exit_info:
-        main(["--only", "nonsense"])
+        main(["bench", "--only", "nonsense"])
     assert exit_info.value.code == 2
     with pytest.raises(ValueError, match="unknown sections"):
         run_benchmarks("cpu", smoke=True, sections=("training", "speed"))
     threads = torch.get_num_threads()
     try:
         with pytest.raises(SystemExit, match="one thread"):
-            main(["--smoke", "--clock", "cpu", "--threads", "2"])
+            main(["bench", "--smoke", "--clock", "cpu", "--threads", "2"])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_module_script_hands_its_arguments_to_the_command_line() -> None:
+    result = subprocess.run([sys.executable, "-m", "annotated_transformer.bench", "--help"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m annotated_transformer bench")
+    for option in ("--smoke", "--device", "--only", "--json", "--threads", "--compile", "--clock"):
+        assert option in result.stdout, option
+
+
+def test_decoding_benchmark_reports_every_method_batch_and_length() -> None:
+    """Every method decodes at every batch size and output length, at positive rates, and each row gives its
+    speed-up over greedy decoding without the cache."""
+    config = dict(N=1, d_model=32, d_ff=64, h=2, vocab=50)
+    rows = decoding_throughput(config, batch_sizes=(1, 4), output_tokens=(3, 6), src_len=5, repeat=1)
+    assert [(row["method"], row["batch"], row["tokens"]) for row in rows] == [
+        (method, batch, tokens) for batch in (1, 4) for tokens in (3, 6) for method in DECODING_METHODS]
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and row["ms_per_step"] > 0 and row["max_len"] == row["tokens"] + 1
+        assert row["speedup"] > 0
+        assert row["tokens_per_s"] == pytest.approx(row["batch"] * 1e3 / row["ms_per_step"])
+    assert all(row["speedup"] == 1.0 for row in rows if row["method"] == "greedy, no cache")
 
 
 def test_train_step_flops_is_six_times_weights_times_tokens() -> None:

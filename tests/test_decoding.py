@@ -1,9 +1,6 @@
-"""Greedy decoding and the key/value cache (book/decoding.md), and the decoding benchmark script."""
+"""Greedy decoding and the key/value cache (book/decoding.md). The decoding benchmark is tested in
+tests/test_bench.py."""
 from __future__ import annotations
-
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,19 +8,21 @@ import torch
 from annotated_transformer.decoder import DecoderCache
 from annotated_transformer.decoding import greedy_decode
 from annotated_transformer.masks import padding_mask, subsequent_mask
-from annotated_transformer.model import make_model
 
-ROOT = Path(__file__).resolve().parents[1]
 PAD, START, END = 0, 1, 2
 
 
-def small_model(seed=0, norm_first=False, end_bias=1.0, vocab=10, dtype=torch.float64, dropout=0.0):
-    torch.manual_seed(seed)
-    model = make_model(vocab, vocab, N=2, d_model=32, d_ff=64, h=4, dropout=dropout, norm_first=norm_first)
-    model = model.to(dtype).eval()
-    with torch.no_grad():
-        model.generator.proj.bias[END] += end_bias
-    return model
+@pytest.fixture
+def small_model(small_model):
+    """The shared small model (tests/conftest.py), seed first, with its output bias raised for the end symbol."""
+
+    def build(seed=0, norm_first=False, end_bias=1.0, vocab=10, dtype=torch.float64, dropout=0.0):
+        model = small_model(vocab, seed=seed, norm_first=norm_first, dtype=dtype, dropout=dropout)
+        with torch.no_grad():
+            model.generator.proj.bias[END] += end_bias
+        return model
+
+    return build
 
 
 def padded_batch(device="cpu"):
@@ -40,7 +39,7 @@ def end_positions(tokens):
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_cache_equals_no_cache_with_padding(norm_first):
+def test_cache_equals_no_cache_with_padding(norm_first, small_model):
     for seed in range(3):
         model = small_model(seed, norm_first)
         src, mask = padded_batch()
@@ -51,7 +50,7 @@ def test_cache_equals_no_cache_with_padding(norm_first):
         torch.testing.assert_close(cached_lp, full_lp, rtol=0, atol=1e-12)
 
 
-def test_cache_equals_no_cache_without_end_symbol():
+def test_cache_equals_no_cache_without_end_symbol(small_model):
     model = small_model(1, end_bias=0.0)
     src, mask = padded_batch()
     cached, cached_lp = greedy_decode(model, src, mask, 16, START, return_log_probs=True)
@@ -60,7 +59,7 @@ def test_cache_equals_no_cache_without_end_symbol():
     torch.testing.assert_close(cached_lp, full_lp, rtol=0, atol=1e-12)
 
 
-def test_each_sentence_stops_at_its_end_symbol():
+def test_each_sentence_stops_at_its_end_symbol(small_model):
     model = small_model(2, end_bias=1.25)
     src, mask = padded_batch()
     out, log_probs = greedy_decode(model, src, mask, 25, START, END, return_log_probs=True)
@@ -77,14 +76,14 @@ def test_each_sentence_stops_at_its_end_symbol():
         assert out.size(1) == 25
 
 
-def test_decoding_stops_early_when_all_sentences_end():
+def test_decoding_stops_early_when_all_sentences_end(small_model):
     model = small_model(0, end_bias=6.0)  # the end symbol is by far the most likely token
     src, mask = padded_batch()
     out = greedy_decode(model, src, mask, 30, START, END)
     assert out.tolist() == [[START, END]] * 6
 
 
-def test_sentence_alone_equals_sentence_in_padded_batch():
+def test_sentence_alone_equals_sentence_in_padded_batch(small_model):
     model = small_model(3)
     src, mask = padded_batch()
     out, log_probs = greedy_decode(model, src, mask, 15, START, END, return_log_probs=True)
@@ -95,7 +94,7 @@ def test_sentence_alone_equals_sentence_in_padded_batch():
         torch.testing.assert_close(lp[0], log_probs[i, : lp.size(1)], rtol=0, atol=1e-12)
 
 
-def test_teacher_forced_replay_reproduces_greedy_choices():
+def test_teacher_forced_replay_reproduces_greedy_choices(small_model):
     model = small_model(4)
     src, mask = padded_batch()
     out, log_probs = greedy_decode(model, src, mask, 12, START, END, return_log_probs=True)
@@ -109,7 +108,7 @@ def test_teacher_forced_replay_reproduces_greedy_choices():
     torch.testing.assert_close(replay.max(-1).values[live], log_probs[live], rtol=0, atol=1e-12)
 
 
-def test_cached_step_uses_the_true_position():
+def test_cached_step_uses_the_true_position(small_model):
     """Regression test for the cache trap: a new token embedded at position 0 changes the outputs."""
     model = small_model(5, end_bias=0.0)
     src, mask = padded_batch()
@@ -128,7 +127,7 @@ def test_cached_step_uses_the_true_position():
     assert len(good) == 4
 
 
-def test_max_len_one_returns_the_start_symbol():
+def test_max_len_one_returns_the_start_symbol(small_model):
     model = small_model()
     src, mask = padded_batch()
     out, log_probs = greedy_decode(model, src, mask, 1, START, END, return_log_probs=True)
@@ -136,7 +135,7 @@ def test_max_len_one_returns_the_start_symbol():
 
 
 @pytest.mark.parametrize("max_len", [0, -3, 2.5, True])
-def test_bad_max_len_is_refused(max_len):
+def test_bad_max_len_is_refused(max_len, small_model):
     model = small_model()
     src, mask = padded_batch()
     with pytest.raises(ValueError, match="max_len"):
@@ -144,13 +143,13 @@ def test_bad_max_len_is_refused(max_len):
 
 
 @pytest.mark.parametrize("src", [torch.tensor([3, 4, 5]), torch.zeros((2, 0), dtype=torch.long)])
-def test_one_dimensional_or_empty_source_is_refused(src):
+def test_one_dimensional_or_empty_source_is_refused(src, small_model):
     model = small_model()
     with pytest.raises(ValueError, match="src must have shape"):
         greedy_decode(model, src, None, 5, START, END)
 
 
-def test_training_mode_dropout_makes_decoding_random_and_eval_fixes_it():
+def test_training_mode_dropout_makes_decoding_random_and_eval_fixes_it(small_model):
     model = small_model(dropout=0.3).train()
     src, mask = padded_batch()
     torch.manual_seed(0)
@@ -161,28 +160,16 @@ def test_training_mode_dropout_makes_decoding_random_and_eval_fixes_it():
     assert torch.equal(runs[0], runs[1])
 
 
-def test_float32_model_gives_float32_log_probs():
+def test_float32_model_gives_float32_log_probs(small_model):
     model = small_model(dtype=torch.float32)
     src, mask = padded_batch()
     out, log_probs = greedy_decode(model, src, mask, 6, START, END, return_log_probs=True)
     assert out.dtype == torch.long and log_probs.dtype == torch.float32
 
 
-def test_benchmark_script_smoke_run():
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "bench_decoding.py"), "--smoke", "--device", "cpu"],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert any(line.startswith("method") and "batch 1 (tok/s)" in line for line in lines)
-    for method in ("greedy, no cache", "greedy, cache", "beam 1", "beam 4", "beam 8"):
-        row = next(line for line in lines if line.startswith(method + " "))
-        rates = [float(x.replace(",", "")) for x in row[len(method):].split()]
-        assert len(rates) == 2 and all(rate > 0 for rate in rates)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_cache_equals_no_cache_on_cuda(norm_first):
+def test_cache_equals_no_cache_on_cuda(norm_first, small_model):
     model = small_model(0, norm_first).cuda()
     src, mask = padded_batch("cuda")
     cached, cached_lp = greedy_decode(model, src, mask, 20, START, END, return_log_probs=True)
