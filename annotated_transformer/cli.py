@@ -9,46 +9,350 @@ import sys
 
 
 def add_tangle(subparsers) -> None:
-    from annotated_transformer import tangle
+    from pathlib import Path
 
-    parser = subparsers.add_parser("tangle", help="regenerate (or --check) the package from the book")
-    tangle.build_parser(parser)
-    parser.set_defaults(run=tangle.run)
+    parser = subparsers.add_parser(
+        "tangle", help="regenerate (or --check) the package from the book",
+        description="Tangle the book's chapters into the annotated_transformer package.",
+    )
+    parser.add_argument("--root", type=Path, default=None, help="the repository (default: found automatically)")
+    parser.add_argument(
+        "--check", action="store_true",
+        help="write nothing; exit 1 naming every stale, missing or orphan module",
+    )
+    parser.set_defaults(run=run_tangle)
+
+
+def run_tangle(args) -> int:
+    from annotated_transformer.tangle import run
+
+    return run(check=args.check, root=args.root)
+
+
+TASKS = ["copy", "multi30k"]
 
 
 def add_train(subparsers) -> None:
-    """``train``: the training chapter's options, plus the translation chapter's for ``--task multi30k``."""
-    from annotated_transformer.training import add_train as add
-    from annotated_transformer.translation import add_train_options
-
-    add(subparsers)
-    parser = subparsers.choices["train"]
-    add_train_options(parser)
+    """Register ``train``: ``python -m annotated_transformer train --task copy ...``."""
+    parser = subparsers.add_parser(
+        "train", help="train a model (tasks: " + ", ".join(TASKS) + ")",
+        description="Train a Transformer. Sizes left out come from the profile. Run under torchrun "
+                    "(torchrun --nproc-per-node=N -m annotated_transformer train ...) to train on several "
+                    "GPUs with DistributedDataParallel.",
+    )
+    parser.add_argument("--task", choices=TASKS, default="copy",
+                        help="what to train: 'copy' copies random sequences; 'multi30k' is the German-to-English "
+                             "translator of the translation chapter (default: copy)")
+    parser.add_argument("--profile", choices=["quick", "laptop", "full", "auto"], default=None,
+                        help="sizes: quick (a CPU, about a minute), laptop (--task multi30k only: a real translator "
+                             "on a laptop CPU), full (a GPU) or auto (full with CUDA); default: AT_PROFILE")
+    parser.add_argument("--steps", type=int, default=None, help="optimiser steps in total (default: by profile)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="copy task: sequences per micro-batch (default: 128)")
+    parser.add_argument("--accumulation-steps", type=int, default=None,
+                        help="micro-batches whose gradients make one optimiser step (default: 1)")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="copy task: vocabulary size, ids 0 and 1 being padding and start (default: 11)")
+    parser.add_argument("--seq-len", type=int, default=None, help="copy task: sequence length (default: 10)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="encoder and decoder layers N (default: the profile's)")
+    parser.add_argument("--d-model", type=int, default=None, help="model width d_model (default: by profile)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps of the schedule (default: by profile)")
+    parser.add_argument("--factor", type=float, default=None,
+                        help="factor of the learning-rate schedule (default: 0.5 for copy, the profile's for multi30k)")
+    parser.add_argument("--smoothing", type=float, default=None,
+                        help="label smoothing epsilon (default: 0 for copy, the profile's for multi30k)")
+    parser.add_argument("--clip-norm", type=float, default=None,
+                        help="clip the gradient norm to this value (default: off)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default: 0)")
+    add_run_options(parser)
+    add_translation_train_options(parser)
     parser.set_defaults(run=run_train)
 
 
+def add_run_options(parser) -> None:
+    """The device, precision, checkpoint and progress options of ``train``."""
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)")
+    parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                        help="bfloat16 autocast (default: on for CUDA, off otherwise)")
+    parser.add_argument("--checkpoint-dir", default=None, help="folder for checkpoints step_*.pt (default: none)")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="write a checkpoint every this many steps, and at the end (default: only at the end)")
+    parser.add_argument("--keep-last", type=int, default=5, help="checkpoints to keep (default: 5; 0 keeps all)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in --checkpoint-dir")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+
+
 def run_train(args) -> int:
-    if args.task == "multi30k":
-        from annotated_transformer.translation import run_train as run
-    else:
-        from annotated_transformer.training import run_train as run
-    return run(args)
+    return run_translation_train(args) if args.task == "multi30k" else run_copy_train(args)
+
+
+def run_copy_train(args) -> int:
+    """``train --task copy``: train, then report the loss and the copy accuracy."""
+    import torch.distributed as dist
+
+    from annotated_transformer.checkpoints import latest_checkpoint
+    from annotated_transformer.decoding import copy_accuracy
+    from annotated_transformer.trainer import copy_config, distributed_context, train_copy_task
+
+    if args.resume and args.checkpoint_dir is None:
+        raise ValueError("--resume needs --checkpoint-dir")
+    if args.profile == "laptop":
+        raise ValueError("--profile laptop is a profile of --task multi30k; the copy task has quick and full")
+    for name in ("steps", "batch_size", "vocab", "seq_len", "layers", "d_model", "warmup"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    config = copy_config(args.profile, vocab=args.vocab, seq_len=args.seq_len, N=args.layers, d_model=args.d_model,
+                         steps=args.steps, batch_size=args.batch_size, accumulation_steps=args.accumulation_steps,
+                         smoothing=args.smoothing, factor=args.factor, warmup=args.warmup,
+                         clip_norm=args.clip_norm, seed=args.seed)
+    model, history = train_copy_task(config, device=args.device, amp=args.amp, checkpoint_dir=args.checkpoint_dir,
+                                     checkpoint_every=args.checkpoint_every, keep_last=args.keep_last,
+                                     resume=args.resume, progress=args.progress)
+    if distributed_context()[0] == 0:
+        if history["loss"]:
+            print(f"steps: {history['step'][-1]}, final loss per token: {history['loss'][-1]:.4f}")
+        accuracy = copy_accuracy(model, vocab=config.vocab, seq_len=config.seq_len)
+        print(f"copy exact-match (greedy, 1000 held-out sequences): {accuracy:.1%}")
+        if args.checkpoint_dir is not None:
+            print(f"checkpoint: {latest_checkpoint(args.checkpoint_dir)}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def add_translation_train_options(parser) -> None:
+    """The options of ``train --task multi30k``: the settings of ``TranslationConfig`` the copy task lacks."""
+    from annotated_transformer.model import EMBEDDING_INITS
+
+    group = parser.add_argument_group("multi30k", "settings of --task multi30k; left out: the profile's values")
+    group.add_argument("--vocab-size", type=int, help="pieces in the joint SentencePiece vocabulary")
+    group.add_argument("--train-limit", type=int, help="train on the first N training pairs only")
+    group.add_argument("--max-len", type=int, help="leave out training pairs longer than this many pieces")
+    group.add_argument("--d-ff", type=int, help="inner size of the feed-forward layers")
+    group.add_argument("--heads", type=int, help="attention heads h")
+    group.add_argument("--dropout", type=float, help="residual dropout probability (the paper's)")
+    group.add_argument("--attention-dropout", type=float, help="dropout on the attention weights")
+    group.add_argument("--activation-dropout", type=float, help="dropout inside the feed-forward networks")
+    group.add_argument("--norm-first", action=argparse.BooleanOptionalAction, default=None,
+                       help="pre-norm (--norm-first) or the paper's post-norm (--no-norm-first)")
+    group.add_argument("--embedding-init", choices=EMBEDDING_INITS,
+                       help="the embedding table's initialisation: N(0, 1/d_model) or Xavier")
+    group.add_argument("--max-tokens", type=int, help="padded tokens per side in a micro-batch")
+    group.add_argument("--average", type=int, help="average the last N checkpoints")
+    group.add_argument("--eval-every", type=int,
+                       help="validation loss every N steps (a multiple of --checkpoint-every)")
+    group.add_argument("--valid-limit", type=int, help="validation loss on the first N validation pairs only")
+    group.add_argument("--test-limit", type=int, help="BLEU on the first N test pairs only")
+    group.add_argument("--beam-size", type=int, help="beam size for the final evaluation")
+    group.add_argument("--length-penalty", type=float, help="length penalty alpha of beam search")
+    group.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None,
+                       help="also score beam sizes and length penalties on the validation set")
+    group.add_argument("--results", help="write the results (JSON) to this file")
+
+
+def translation_config_from_args(args):
+    """The ``TranslationConfig`` that parsed ``train --task multi30k`` arguments ask for."""
+    from annotated_transformer.translation import translation_config
+
+    if args.batch_size is not None:
+        raise ValueError("--batch-size counts sentences (copy task); for --task multi30k use --max-tokens")
+    return translation_config(
+        args.profile, vocab_size=args.vocab_size, train_limit=args.train_limit, max_len=args.max_len, N=args.layers,
+        d_model=args.d_model, d_ff=args.d_ff, h=args.heads, dropout=args.dropout,
+        attention_dropout=args.attention_dropout, activation_dropout=args.activation_dropout,
+        norm_first=args.norm_first, embedding_init=args.embedding_init, smoothing=args.smoothing,
+        max_tokens=args.max_tokens, accumulation_steps=args.accumulation_steps, steps=args.steps,
+        warmup=args.warmup, factor=args.factor, clip_norm=args.clip_norm,
+        checkpoint_every=args.checkpoint_every or None, average=args.average, eval_every=args.eval_every,
+        valid_limit=args.valid_limit, test_limit=args.test_limit, beam_size=args.beam_size,
+        length_penalty=args.length_penalty, sweep=args.sweep, seed=args.seed,
+    )
+
+
+def run_translation_train(args) -> int:
+    """``train --task multi30k``: train, average, evaluate, write the results."""
+    from annotated_transformer.records import command_line, record_experiment
+
+    if args.checkpoint_dir is None:
+        raise ValueError("--task multi30k needs --checkpoint-dir: the checkpoints, the tokenizer and the averaged "
+                         "model average.pt are written there")
+    _, trained = record_experiment(
+        translation_config_from_args(args), args.checkpoint_dir, results_path=args.results, device=args.device,
+        amp=args.amp, resume=args.resume, progress=args.progress, command=command_line(),
+    )
+    print(f"averaged model (translate with it): {trained['checkpoint']}")
+    return 0
+
+
+def add_bench(subparsers) -> None:
+    """Register ``bench``: ``python -m annotated_transformer bench --smoke``."""
+    from pathlib import Path
+
+    from annotated_transformer.bench import SECTIONS
+    from annotated_transformer.measure import CLOCKS
+
+    parser = subparsers.add_parser(
+        "bench", help="benchmark training, attention, decoding and the layers of Table 1",
+        description="Benchmark the package: training against nn.Transformer, attention, decoding, Table 1's layers.",
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: a fast check that everything runs")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps or auto (default: AT_DEVICE or auto)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
+                        help=f"run only these sections ({', '.join(SECTIONS)})")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also save the results as JSON")
+    parser.add_argument("--threads", type=int, default=None, help="PyTorch's number of CPU threads")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models in the training section")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: elapsed time (default); cpu: the process's CPU time, steadier on a busy machine "
+                             "(CPU device, one thread)")
+    parser.set_defaults(run=run_bench)
+
+
+def run_bench(args) -> int:
+    from annotated_transformer.bench import run
+
+    return run(smoke=args.smoke, device=args.device, sections=args.only, json_path=args.json, threads=args.threads,
+               compile=args.compile, clock=args.clock)
 
 
 def add_translate(subparsers) -> None:
-    """``translate``: the beam search chapter's command, which knows the translator's tokenizer too."""
-    from annotated_transformer.beam_search import TOKENIZERS, add_translate as add
+    """Register ``translate``: ``python -m annotated_transformer translate --checkpoint PATH ...``."""
+    from annotated_transformer.beam_search import LENGTH_PENALTIES
+
+    parser = subparsers.add_parser(
+        "translate", help="translate sentences with a trained model (greedy or beam search)",
+        description="Read one sentence per line (from --input or standard input) and write one translation per "
+                    "line to standard output; an empty line gives an empty line. For a copy-task checkpoint a "
+                    "sentence is a line of space-separated token ids, such as '3 4 5'.",
+    )
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by the train command")
+    parser.add_argument("--beam-size", type=int, default=4, help="beam size; 1 is greedy decoding (default: 4)")
+    parser.add_argument("--input", default=None, help="a file with one sentence per line (default: standard input)")
+    parser.add_argument("--max-len", type=int, default=None,
+                        help="the longest output in tokens, start symbol included (default: by task)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sentences decoded together (default: 32)")
+    parser.add_argument("--length-penalty", type=float, default=0.6,
+                        help="alpha of the length penalty (default: 0.6, as in the paper)")
+    parser.add_argument("--penalty", choices=LENGTH_PENALTIES, default="gnmt",
+                        help="length penalty: gnmt ((5+|Y|)/6)^alpha, simple |Y|^alpha, none (default: gnmt)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)")
+    parser.set_defaults(run=run_translate)
+
+
+def run_translate(args) -> int:
+    """Run ``translate`` with parsed arguments."""
+    from annotated_transformer.checkpoints import model_from_checkpoint
+    from annotated_transformer.data import read_lines
     from annotated_transformer.translation import checkpoint_tokenizer
 
-    TOKENIZERS.setdefault("multi30k", checkpoint_tokenizer)
-    add(subparsers)
+    if args.beam_size < 1 or args.batch_size < 1 or (args.max_len is not None and args.max_len < 2):
+        raise ValueError("--beam-size and --batch-size must be >= 1 and --max-len >= 2")
+    model, checkpoint = model_from_checkpoint(args.checkpoint, device=args.device)
+    tokenizer = checkpoint_tokenizer(checkpoint, args.checkpoint)
+    lines = sys.stdin.read().splitlines() if args.input is None else read_lines(args.input)
+    outputs = translate_lines(model, tokenizer, lines, beam_size=args.beam_size, max_len=args.max_len,
+                              batch_size=args.batch_size, length_penalty=args.length_penalty, penalty=args.penalty)
+    sys.stdout.writelines(output + "\n" for output in outputs)
+    sys.stdout.flush()
+    return 0
+
+
+def translate_lines(model, tokenizer, lines: list[str], **options) -> list[str]:
+    """One translation per line (``translate_ids`` with ``options``); an empty line gives an empty string, and a
+    line the tokenizer cannot encode raises a ValueError naming it (from 1)."""
+    from annotated_transformer.beam_search import translate_ids
+
+    numbers, sources = [], []
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                sources.append(tokenizer.encode(line.strip()))
+            except ValueError as error:
+                raise ValueError(f"line {number}: {error}") from None
+            numbers.append(number)
+    outputs = [""] * len(lines)
+    for number, ids in zip(numbers, translate_ids(model, tokenizer, sources, **options)):
+        outputs[number - 1] = tokenizer.decode(ids)
+    return outputs
 
 
 def add_evaluate(subparsers) -> None:
-    """``evaluate``: BLEU of a translation checkpoint (the translation chapter)."""
-    from annotated_transformer.translation import add_evaluate as add
+    """Register ``evaluate``: BLEU of a translation checkpoint on a Multi30k split or any parallel test set."""
+    from annotated_transformer.data import SPLITS
 
-    add(subparsers)
+    parser = subparsers.add_parser(
+        "evaluate", help="BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split or a parallel test set",
+        description="Translate a Multi30k split, or any German-English parallel test set (--source and "
+                    "--reference), with a checkpoint written by 'train --task multi30k' and print corpus BLEU "
+                    "(detokenised, cased) and lower-cased BLEU, each with its sacreBLEU signature.",
+    )
+    parser.add_argument("--checkpoint", required=True, help="a translation checkpoint (average.pt, or step_*.pt)")
+    parser.add_argument("--split", choices=sorted(SPLITS), default=None,
+                        help="valid, test (the 2016 Flickr test set) or train (default: test)")
+    parser.add_argument("--source", default=None,
+                        help="a German text file, one sentence a line (plain or .gz); needs --reference")
+    parser.add_argument("--reference", default=None,
+                        help="its English reference translations, line by line (plain or .gz)")
+    parser.add_argument("--beam-size", type=int, default=1, help="1 for greedy search (default: 1)")
+    parser.add_argument("--length-penalty", type=float, default=0.6, help="beam search's alpha (default: 0.6)")
+    parser.add_argument("--limit", type=int, default=None, help="score the first N pairs only (default: all)")
+    parser.add_argument("--batch-size", type=int, default=100, help="sentences translated at once (default: 100)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, mps... (default: AT_DEVICE, else the best)")
+    parser.add_argument("--output", default=None, help="also write the translations to this file, one per line")
+    parser.set_defaults(run=run_evaluate)
+
+
+def read_parallel(source, reference) -> list[tuple[str, str]]:
+    """(German, English) pairs from two line-aligned files; refuse files of different lengths or empty lines."""
+    from annotated_transformer.data import read_lines
+
+    sources, references = read_lines(source), read_lines(reference)
+    if len(sources) != len(references):
+        raise ValueError(f"{source} has {len(sources)} lines but {reference} has {len(references)}: "
+                         "a parallel test set has one reference line per source line")
+    if not sources:
+        raise ValueError(f"{source} is empty: there is nothing to evaluate")
+    for number, (german, english) in enumerate(zip(sources, references), start=1):
+        if not german.strip():
+            raise ValueError(f"line {number} of {source} is empty: there is nothing to translate")
+        if not english.strip():
+            raise ValueError(f"line {number} of {reference} is empty: every source needs a reference")
+    return list(zip(sources, references))
+
+
+def run_evaluate(args) -> int:
+    """Run ``evaluate`` with parsed arguments; print the scores and their signatures."""
+    from pathlib import Path
+
+    from annotated_transformer.data import load_split
+    from annotated_transformer.translation import evaluate_bleu, load_translator
+
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be a positive integer, got {args.limit}")
+    if (args.source is None) != (args.reference is None):
+        raise ValueError("--source and --reference go together: give both files, or neither (for --split)")
+    if args.source is not None and args.split is not None:
+        raise ValueError("give either --split or --source and --reference, not both")
+    if args.source is not None:
+        pairs, name = read_parallel(args.source, args.reference), Path(args.source).name
+    else:
+        name = args.split or "test"
+        pairs = load_split(name)
+    pairs = pairs[: args.limit]
+    model, tokenizer, _ = load_translator(args.checkpoint, args.device)
+    scores = evaluate_bleu(model, tokenizer, pairs, beam_size=args.beam_size, length_penalty=args.length_penalty,
+                           batch_size=args.batch_size)
+    search = "greedy" if args.beam_size == 1 else f"beam {args.beam_size}, alpha {args.length_penalty}"
+    print(f"{name} ({len(pairs)} sentences, {search}): BLEU {scores['bleu']:.2f}  {scores['signature']}")
+    print(f"lower-cased BLEU {scores['bleu_lowercase']:.2f}  {scores['signature_lowercase']}")
+    if args.output:
+        Path(args.output).write_text("".join(h + "\n" for h in scores["hypotheses"]), encoding="utf-8")
+    return 0
 
 
 # name: (its line in the listing of subcommands, the function that registers its options). Each line repeats the
@@ -58,6 +362,7 @@ COMMANDS = {
     "train": ("train a model (tasks: copy, multi30k)", add_train),
     "translate": ("translate sentences with a trained model (greedy or beam search)", add_translate),
     "evaluate": ("BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split or a parallel test set", add_evaluate),
+    "bench": ("benchmark training, attention, decoding and the layers of Table 1", add_bench),
 }
 
 
