@@ -15,12 +15,98 @@ Each module comes from one chapter:
 - ``annotated_transformer.encoder``: The encoder (book/encoder.md)
 - ``annotated_transformer.decoder``: The decoder (book/decoder.md)
 - ``annotated_transformer.model``: The full model (book/model.md)
+- ``annotated_transformer.checkpoints``: Checkpoints (book/checkpoints.md)
 - ``annotated_transformer.training``: Training (book/training.md)
+- ``annotated_transformer.trainer``: The training loop (book/trainer.md)
 - ``annotated_transformer.decoding``: Greedy decoding and the key/value cache (book/decoding.md)
 - ``annotated_transformer.beam_search``: Beam search (book/beam_search.md)
 - ``annotated_transformer.data``: The data: Multi30k and a shared SentencePiece vocabulary (book/data.md)
 - ``annotated_transformer.translation``: Training a German-to-English translator (book/translation.md)
-- ``annotated_transformer.bench``: Performance (book/performance.md)
-- ``annotated_transformer.cli``: Appendix: the command line (book/cli.md)
+- ``annotated_transformer.measure``: Measuring speed and memory (book/measuring.md)
+- ``annotated_transformer.layer_types``: Why self-attention (book/why_attention.md)
+- ``annotated_transformer.performance``: Performance (book/performance.md)
+- ``annotated_transformer.download``: Appendix: downloading and verifying the data (book/appendix_data.md)
 - ``annotated_transformer.tangle``: Appendix: how this book builds its package (book/appendix_tangle.md)
+- ``annotated_transformer.records``: Appendix: recorded results (book/appendix_results.md)
+- ``annotated_transformer.bench``: Appendix: the benchmark harness (book/appendix_bench.md)
+- ``annotated_transformer.cli``: Appendix: the command line (book/cli.md)
+
+The public names in ``__all__`` can be imported from the package itself
+(``from annotated_transformer import make_model``); each loads its module, and PyTorch with it, when first used.
 """
+
+import importlib
+import sys
+import types
+
+# {public name: its module}; each chapter lists its names in the 'api:' key of its front matter.
+_API = {
+    "get_profile": "runtime",
+    "get_device": "runtime",
+    "seed_everything": "runtime",
+    "attention": "attention",
+    "MultiHeadedAttention": "attention",
+    "subsequent_mask": "masks",
+    "padding_mask": "masks",
+    "target_mask": "masks",
+    "Embeddings": "embeddings",
+    "Generator": "embeddings",
+    "PositionalEncoding": "positional",
+    "LayerNorm": "sublayers",
+    "SublayerConnection": "sublayers",
+    "PositionwiseFeedForward": "feed_forward",
+    "Encoder": "encoder",
+    "EncoderLayer": "encoder",
+    "Decoder": "decoder",
+    "DecoderLayer": "decoder",
+    "EncoderDecoder": "model",
+    "make_model": "model",
+    "save_checkpoint": "checkpoints",
+    "load_checkpoint": "checkpoints",
+    "model_from_checkpoint": "checkpoints",
+    "average_checkpoints": "checkpoints",
+    "Batch": "training",
+    "LabelSmoothing": "training",
+    "rate": "training",
+    "make_optimizer": "training",
+    "make_scheduler": "training",
+    "train": "trainer",
+    "CopyConfig": "trainer",
+    "train_copy_task": "trainer",
+    "greedy_decode": "decoding",
+    "beam_search": "beam_search",
+    "length_penalty_factor": "beam_search",
+    "translate": "beam_search",
+    "load_split": "data",
+    "train_tokenizer": "data",
+    "translation_config": "translation",
+    "train_translator": "translation",
+    "load_translator": "translation",
+    "evaluate_bleu": "translation",
+}
+__all__ = list(_API)
+
+
+def __getattr__(name):
+    """Import a public name from its module when it is first used (PEP 562)."""
+    if name not in _API:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_API[name]}"), name)
+    globals()[name] = value  # later uses find it without calling __getattr__
+    return value
+
+
+def __dir__():
+    return list(__all__)
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule sets an attribute of its package. Where a public name is also the name of its module
+    (the function ``attention`` of ``attention.py``), the public name keeps the attribute."""
+
+    def __setattr__(self, name, value):
+        if not (name in _API and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-import argparse
+import ast
 import os
 import sys
 import tempfile
@@ -29,6 +29,12 @@ class Chapter:
     title: str
     module: str | None
     cells: list[str] = field(default_factory=list)
+    api: list[str] = field(default_factory=list)
+
+    @property
+    def module_name(self) -> str:
+        """``attention`` for ``annotated_transformer/attention.py``."""
+        return Path(self.module).stem
 
 
 def read_chapter(path: Path, root: Path) -> Chapter:
@@ -37,6 +43,7 @@ def read_chapter(path: Path, root: Path) -> Chapter:
 
     notebook = jupytext.read(path)
     module = notebook.metadata.get("tangle")
+    api = notebook.metadata.get("api", [])
     title = next(
         (line[2:].strip() for cell in notebook.cells if cell.cell_type == "markdown"
          for line in cell.source.splitlines() if line.startswith("# ")),
@@ -47,8 +54,13 @@ def read_chapter(path: Path, root: Path) -> Chapter:
         for cell in notebook.cells
         if cell.cell_type == "code" and EXPORT_TAG in cell.metadata.get("tags", [])
     ]
-    relative = path.relative_to(root).as_posix()
-    if cells and not module:
+    check_front_matter(path.relative_to(root).as_posix(), module, api, exported=bool(cells))
+    return Chapter(path=path, title=title, module=module, cells=cells, api=list(api))
+
+
+def check_front_matter(relative: str, module, api, exported: bool) -> None:
+    """Refuse 'tangle:' and 'api:' keys that the tangler cannot follow, naming the chapter."""
+    if exported and not module:
         raise ValueError(f"{relative} has cells tagged '{EXPORT_TAG}' but no 'tangle:' in its front matter")
     if module is not None:
         valid = (
@@ -63,7 +75,14 @@ def read_chapter(path: Path, root: Path) -> Chapter:
                 f"{relative}: 'tangle: {module}' must name a module '{PACKAGE}/<name>.py' "
                 "(not __init__.py or __main__.py, which are generated)"
             )
-    return Chapter(path=path, title=title, module=module, cells=cells)
+    names_ok = isinstance(api, list) and all(
+        isinstance(name, str) and name.isidentifier() and not name.startswith("_") for name in api
+    )
+    if not names_ok:
+        raise ValueError(f"{relative}: 'api:' must be a list of public names, like [attention, make_model]; "
+                         f"it is {api!r}")
+    if api and not module:
+        raise ValueError(f"{relative} lists 'api:' names but has no 'tangle:' module that defines them")
 
 
 def chapter_paths(root: Path) -> list[Path]:
@@ -104,16 +123,89 @@ def render_module(chapter: Chapter, root: Path) -> str:
     return HEADER.format(source=source) + docstring + "\n\n" + body + "\n"
 
 
-def render_init(chapters: list[Chapter], root: Path) -> str:
-    lines = [HEADER.format(source="_toc.yml"), '"""The Annotated Transformer, tangled from the book.', ""]
-    lines.append("Each module comes from one chapter:")
-    lines.append("")
+def bound_names(statements: list[ast.stmt]) -> set[str]:
+    """The names that a module's top-level statements bind: definitions, assignments and imports."""
+    names: set[str] = set()
+    for node in statements:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(leaf.id for target in targets for leaf in ast.walk(target) if isinstance(leaf, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+            blocks += [handler.body for handler in getattr(node, "handlers", [])]
+            for block in blocks:
+                names |= bound_names(block)
+    return names
+
+
+def public_api(chapters: list[Chapter], modules: dict[str, str], root: Path) -> dict[str, str]:
+    """{public name: the name of its module}, in reading order, each name checked against its module."""
+    module_names = {chapter.module_name for chapter in chapters}
+    api: dict[str, str] = {}
+    owners: dict[str, str] = {}
     for chapter in chapters:
-        name = chapter.module.rsplit("/", 1)[1][:-3]
         source = chapter.path.relative_to(root).as_posix()
-        lines.append(f"- ``{PACKAGE}.{name}``: {chapter.title} ({source})")
-    lines.append('"""')
-    return "\n".join(lines) + "\n"
+        try:
+            defined = bound_names(ast.parse(modules[chapter.module]).body)
+        except SyntaxError:  # the module is broken anyway, and importing it will say where
+            defined = set(chapter.api)
+        for name in chapter.api:
+            if name in api:
+                raise ValueError(f"'{name}' is in the 'api:' of both {owners[name]} and {source}: list it once")
+            if name not in defined:
+                raise ValueError(f"{source} lists '{name}' in 'api:', but {chapter.module} does not define it")
+            if name in module_names and name != chapter.module_name:
+                raise ValueError(f"{source} lists '{name}' in 'api:', but that is the name of another module")
+            api[name] = chapter.module_name
+            owners[name] = source
+    return api
+
+
+LAZY_IMPORTS = '''
+
+def __getattr__(name):
+    """Import a public name from its module when it is first used (PEP 562)."""
+    if name not in _API:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_API[name]}"), name)
+    globals()[name] = value  # later uses find it without calling __getattr__
+    return value
+
+
+def __dir__():
+    return list(__all__)
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule sets an attribute of its package. Where a public name is also the name of its module
+    (the function ``attention`` of ``attention.py``), the public name keeps the attribute."""
+
+    def __setattr__(self, name, value):
+        if not (name in _API and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+'''
+
+
+def render_init(chapters: list[Chapter], root: Path, api: dict[str, str]) -> str:
+    lines = [HEADER.format(source="_toc.yml"), '"""The Annotated Transformer, tangled from the book.', ""]
+    lines += ["Each module comes from one chapter:", ""]
+    for chapter in chapters:
+        source = chapter.path.relative_to(root).as_posix()
+        lines.append(f"- ``{PACKAGE}.{chapter.module_name}``: {chapter.title} ({source})")
+    lines += ["", "The public names in ``__all__`` can be imported from the package itself", "(``from "
+              f"{PACKAGE} import make_model``); each loads its module, and PyTorch with it, when first used.", '"""', ""]
+    lines += ["import importlib", "import sys", "import types", ""]
+    lines.append("# {public name: its module}; each chapter lists its names in the 'api:' key of its front matter.")
+    lines += ["_API = {", *(f'    "{name}": "{module}",' for name, module in api.items()), "}"]
+    lines.append("__all__ = list(_API)")
+    return "\n".join(lines) + "\n" + LAZY_IMPORTS
 
 
 MAIN = (
@@ -139,7 +231,8 @@ def tangle_book(root: Path) -> dict[str, str]:
             )
         owners[chapter.module] = chapter.path
         modules[chapter.module] = render_module(chapter, root)
-    modules[f"{PACKAGE}/__init__.py"] = render_init(chapters, root)
+    api = public_api(chapters, modules, root)
+    modules[f"{PACKAGE}/__init__.py"] = render_init(chapters, root, api)
     if f"{PACKAGE}/cli.py" in modules:
         modules[f"{PACKAGE}/__main__.py"] = HEADER.format(source="_toc.yml") + MAIN
     return modules
@@ -191,7 +284,7 @@ def is_book(folder: Path) -> bool:
     return (folder / "_toc.yml").exists() and (folder / "book").is_dir()
 
 
-def find_root(root: Path | None = None) -> Path:
+def find_root(root: Path | str | None = None) -> Path:
     """The book's repository: ``root`` if given (it must hold the book), else found from here."""
     if root is not None:
         root = Path(root).resolve()
@@ -207,21 +300,11 @@ def find_root(root: Path | None = None) -> Path:
     )
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="python -m annotated_transformer.tangle")
-    parser.description = "Tangle the book's chapters into the annotated_transformer package."
-    parser.add_argument("--root", type=Path, default=None, help="the repository (default: found automatically)")
-    parser.add_argument(
-        "--check", action="store_true",
-        help="write nothing; exit 1 naming every stale, missing or orphan module",
-    )
-    return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    root = find_root(args.root)
+def run(check: bool = False, root: Path | str | None = None) -> int:
+    """Tangle the book into the package or, with ``check``, only compare them. Returns the exit status."""
+    root = find_root(root)
     modules = tangle_book(root)
-    if args.check:
+    if check:
         problems = compare(root, modules)
         for problem in problems:
             print(problem, file=sys.stderr)
@@ -239,9 +322,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if orphans else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from annotated_transformer.cli import main
+
+    raise SystemExit(main(["tangle", *sys.argv[1:]]))

@@ -92,10 +92,9 @@ def test_tying_different_vocabularies_is_refused():
         make_model(11, 13, **SMALL, share_embeddings=True)
 
 
-def test_tied_gradient_is_the_sum_of_the_three_roles_and_a_step_moves_all():
-    torch.manual_seed(0)
-    tied = make_model(11, 11, **SMALL, share_embeddings=True).double().eval()
-    untied = make_model(11, 11, **SMALL).double().eval()
+def test_tied_gradient_is_the_sum_of_the_three_roles_and_a_step_moves_all(small_model):
+    tied = small_model(11, share_embeddings=True, **SMALL)
+    untied = small_model(11, **SMALL)
     untied.load_state_dict(tied.state_dict())
     src = torch.tensor([[1, 4, 5, 9, 2], [3, 3, 7, 2, 0]])
     tgt_in = torch.tensor([[1, 6, 8, 10], [1, 5, 2, 0]])

@@ -16,10 +16,15 @@ PAD = 0
 SMALL = dict(N=2, d_model=32, d_ff=64, h=4)
 
 
-def small_model(vocab=23, norm_first=False, share=True, dropout=0.0, dtype=torch.float64, seed=0):
-    torch.manual_seed(seed)
-    model = make_model(vocab, vocab, **SMALL, dropout=dropout, norm_first=norm_first, share_embeddings=share)
-    return model.to(dtype).eval()
+@pytest.fixture
+def small_model(small_model):
+    """The shared small model (tests/conftest.py, the sizes of SMALL) with this file's defaults: 23 tokens, tied."""
+
+    def build(vocab=23, norm_first=False, share=True, dropout=0.0, dtype=torch.float64, seed=0):
+        return small_model(vocab, seed=seed, norm_first=norm_first, share_embeddings=share, dropout=dropout,
+                           dtype=dtype, **SMALL)
+
+    return build
 
 
 def batch(vocab=23, seed=1):
@@ -123,7 +128,7 @@ def test_hand_built_model_has_no_config():
     assert rebuilt.config is None
 
 
-def test_share_embeddings_ties_three_matrices_to_one_parameter():
+def test_share_embeddings_ties_three_matrices_to_one_parameter(small_model):
     model = small_model(share=True)
     shared = model.tgt_embed.embeddings.lut.weight
     assert model.src_embed.embeddings.lut.weight is shared
@@ -135,7 +140,7 @@ def test_share_embeddings_ties_three_matrices_to_one_parameter():
     assert shared.grad is not None and shared.grad.abs().sum() > 0
 
 
-def test_without_sharing_the_three_matrices_are_independent():
+def test_without_sharing_the_three_matrices_are_independent(small_model):
     model = small_model(share=False)
     weights = [model.src_embed.embeddings.lut.weight, model.tgt_embed.embeddings.lut.weight,
                model.generator.proj.weight]
@@ -143,7 +148,7 @@ def test_without_sharing_the_three_matrices_are_independent():
     assert not torch.equal(weights[0], weights[1])
 
 
-def test_no_sublayer_shares_weights_with_another():
+def test_no_sublayer_shares_weights_with_another(small_model):
     model = small_model(share=False)
     pointers = [p.data_ptr() for p in model.parameters()]
     assert len(pointers) == len(set(pointers))
@@ -202,7 +207,7 @@ def test_matrices_are_xavier_uniform_and_vectors_keep_their_defaults():
     assert 0 < bias.abs().max() <= 1 / math.sqrt(512)
 
 
-def test_two_models_with_different_seeds_differ_and_same_seed_agree():
+def test_two_models_with_different_seeds_differ_and_same_seed_agree(small_model):
     a, b, c = small_model(seed=0), small_model(seed=0), small_model(seed=1)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     assert not torch.equal(a.encoder.layers[0].self_attn.w_q.weight, c.encoder.layers[0].self_attn.w_q.weight)
@@ -211,7 +216,7 @@ def test_two_models_with_different_seeds_differ_and_same_seed_agree():
 # --- forward ------------------------------------------------------------------------------------------------
 
 
-def test_forward_shapes_and_log_probabilities():
+def test_forward_shapes_and_log_probabilities(small_model):
     model = small_model()
     src, tgt = batch()
     src_mask, tgt_mask = padding_mask(src, PAD), target_mask(tgt, PAD)
@@ -226,10 +231,9 @@ def test_forward_shapes_and_log_probabilities():
     torch.testing.assert_close(states, model.decode(memory, src_mask, tgt, tgt_mask))
 
 
-def test_untrained_predictions_are_nearly_uniform():
-    torch.manual_seed(0)
+def test_untrained_predictions_are_nearly_uniform(small_model):
     vocab = 500
-    model = make_model(vocab, vocab, **SMALL, share_embeddings=True).eval()
+    model = small_model(vocab, dtype=torch.float32)
     src, tgt = batch(vocab)
     with torch.no_grad():
         log_probs = model.generator(model(src, tgt, padding_mask(src, PAD), target_mask(tgt, PAD)))
@@ -241,7 +245,7 @@ def test_untrained_predictions_are_nearly_uniform():
     assert entropy.min() > math.log(vocab) - 1.5
 
 
-def test_embed_offset_shifts_the_positions():
+def test_embed_offset_shifts_the_positions(small_model):
     model = small_model()
     tokens = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
@@ -253,7 +257,7 @@ def test_embed_offset_shifts_the_positions():
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_future_target_tokens_do_not_change_earlier_predictions(norm_first):
+def test_future_target_tokens_do_not_change_earlier_predictions(norm_first, small_model):
     model = small_model(norm_first=norm_first)
     src, tgt = batch()
     src, tgt = src[:1], tgt[:1]
@@ -269,7 +273,7 @@ def test_future_target_tokens_do_not_change_earlier_predictions(norm_first):
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_padded_tokens_change_nothing_they_must_not(norm_first):
+def test_padded_tokens_change_nothing_they_must_not(norm_first, small_model):
     model = small_model(norm_first=norm_first)
     src, tgt = batch()
     src_mask, tgt_mask = padding_mask(src, PAD), target_mask(tgt, PAD)
@@ -286,7 +290,7 @@ def test_padded_tokens_change_nothing_they_must_not(norm_first):
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_decode_with_a_cache_equals_full_decode(norm_first):
+def test_decode_with_a_cache_equals_full_decode(norm_first, small_model):
     model = small_model(norm_first=norm_first)
     src, tgt = batch()
     src_mask, tgt_mask = padding_mask(src, PAD), target_mask(tgt, PAD)
@@ -299,7 +303,7 @@ def test_decode_with_a_cache_equals_full_decode(norm_first):
     torch.testing.assert_close(torch.cat(steps, dim=1)[real], full[real], atol=1e-12, rtol=0)
 
 
-def test_dropout_is_active_in_training_mode_only():
+def test_dropout_is_active_in_training_mode_only(small_model):
     model = small_model(dropout=0.3)
     src, tgt = batch()
     src_mask, tgt_mask = padding_mask(src, PAD), target_mask(tgt, PAD)
@@ -314,7 +318,7 @@ def test_dropout_is_active_in_training_mode_only():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_cuda_forward_matches_cpu(norm_first, full_float32_precision):
+def test_cuda_forward_matches_cpu(norm_first, full_float32_precision, small_model):
     model = small_model(vocab=100, norm_first=norm_first, dtype=torch.float32)
     src, tgt = batch(100)
     src_mask, tgt_mask = padding_mask(src, PAD), target_mask(tgt, PAD)

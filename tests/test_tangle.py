@@ -214,3 +214,157 @@ def test_interrupted_write_keeps_the_old_module(synced: Path, monkeypatch) -> No
         write_package(synced, modules)
     assert (synced / MODULE).read_bytes() == before
     assert [path.name for path in (synced / PACKAGE).iterdir() if path.name.endswith(".tmp")] == []
+
+
+# --- the public API: `api:` in the chapters' front matter, loaded lazily by the generated __init__.py ---------
+
+# The names of the public API in the design document (DESIGN.md, "The public API").
+DESIGN_API = [
+    "attention", "MultiHeadedAttention", "subsequent_mask", "PositionalEncoding", "Embeddings", "LayerNorm",
+    "PositionwiseFeedForward", "make_model", "EncoderDecoder", "LabelSmoothing", "rate", "Batch", "greedy_decode",
+    "beam_search",
+]
+
+
+def listed_api() -> list[tuple[str, str, str]]:
+    """(name, module, chapter) for every name in the chapters' 'api:' lists, in reading order."""
+    return [
+        (name, chapter.module_name, chapter.path.relative_to(ROOT).as_posix())
+        for chapter in (tangle.read_chapter(path, ROOT) for path in tangle.chapter_paths(ROOT))
+        for name in chapter.api
+    ]
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_every_listed_name_is_defined_by_its_module_and_exported_in_order() -> None:
+    import importlib
+
+    import annotated_transformer
+
+    listed = listed_api()
+    for name, module, chapter in listed:
+        defined = importlib.import_module(f"{PACKAGE}.{module}")
+        assert hasattr(defined, name), f"{chapter} lists {name!r} in 'api:', but {PACKAGE}/{module}.py lacks it"
+        assert getattr(annotated_transformer, name) is getattr(defined, name), name
+    assert annotated_transformer.__all__ == [name for name, _, _ in listed]
+    assert sorted(dir(annotated_transformer)) == sorted(annotated_transformer.__all__)
+
+
+def test_no_name_is_listed_twice() -> None:
+    chapters_of: dict[str, list[str]] = {}
+    for name, _, chapter in listed_api():
+        chapters_of.setdefault(name, []).append(chapter)
+    twice = {name: where for name, where in chapters_of.items() if len(where) > 1}
+    assert twice == {}, f"names in the 'api:' of more than one chapter (or twice in one): {twice}"
+
+
+def test_every_name_of_the_design_is_public() -> None:
+    listed = {name for name, _, _ in listed_api()}
+    missing = [name for name in DESIGN_API if name not in listed]
+    assert missing == [], f"names of DESIGN.md's public API that no chapter lists in 'api:': {missing}"
+
+
+def test_importing_the_package_imports_no_torch() -> None:
+    done = run_python(
+        "import sys\n"
+        "import annotated_transformer\n"
+        "names = dir(annotated_transformer), annotated_transformer.__all__\n"
+        "import annotated_transformer.tangle\n"
+        "print('torch' in sys.modules)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "False\n", "`import annotated_transformer` (or its tangler) imported torch"
+
+
+def test_from_the_package_import_make_model() -> None:
+    from annotated_transformer import EncoderDecoder, make_model
+
+    model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    assert isinstance(model, EncoderDecoder)
+
+
+def test_a_public_name_is_not_replaced_by_its_module() -> None:
+    """`attention` and `beam_search` name both a module and its function: at the top level they are the function,
+    whichever was imported first."""
+    done = run_python(
+        "import sys, types\n"
+        "import annotated_transformer.attention\n"
+        "from annotated_transformer.beam_search import length_penalty_factor\n"
+        "from annotated_transformer import attention, beam_search\n"
+        "import annotated_transformer as package\n"
+        "print(type(attention).__name__, type(beam_search).__name__, type(package.attention).__name__)\n"
+        "print(type(sys.modules['annotated_transformer.attention']).__name__)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["function function function", "module"]
+
+
+def test_unknown_names_raise_attribute_error() -> None:
+    import annotated_transformer
+
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        annotated_transformer.no_such_name  # noqa: B018
+    with pytest.raises(ImportError, match="no_such_name"):
+        exec("from annotated_transformer import no_such_name", {})
+
+
+def write_chapter(root: Path, name: str, front_matter: str) -> None:
+    (root / "book" / f"{name}.md").write_text(
+        FRONT_MATTER.format(extra=front_matter, title=name.title()), encoding="utf-8"
+    )
+    add_to_toc(root, name)
+
+
+def test_the_generated_init_lists_a_new_chapters_names(book: Path) -> None:
+    write_chapter(book, "extra", f"tangle: {PACKAGE}/extra.py\napi: [VALUE]\n")
+    init = tangle_book(book)[f"{PACKAGE}/__init__.py"]
+    assert '    "VALUE": "extra",\n}' in init  # the last chapter's names come last
+    assert f"- ``{PACKAGE}.extra``: Extra (book/extra.md)" in init
+
+
+@pytest.mark.parametrize("front_matter, message", [
+    (f"tangle: {PACKAGE}/extra.py\napi: [make_model]\n",
+     r"'make_model' is in the 'api:' of both book/model\.md and book/extra\.md"),
+    (f"tangle: {PACKAGE}/extra.py\napi: [VALUE, VALUE]\n", r"'VALUE' is in the 'api:' of both book/extra\.md"),
+    (f"tangle: {PACKAGE}/extra.py\napi: [missing]\n",
+     rf"book/extra\.md lists 'missing' in 'api:', but {PACKAGE}/extra\.py does not define it"),
+    (f"tangle: {PACKAGE}/extra.py\napi: VALUE\n", r"book/extra\.md: 'api:' must be a list of public names"),
+    (f"tangle: {PACKAGE}/extra.py\napi: [_VALUE]\n", r"book/extra\.md: 'api:' must be a list of public names"),
+    ("api: [VALUE]\n", r"book/extra\.md has cells tagged 'export' but no 'tangle:'"),
+])
+def test_bad_api_lists_are_refused_naming_the_chapter(book: Path, front_matter: str, message: str) -> None:
+    write_chapter(book, "extra", front_matter)
+    with pytest.raises(ValueError, match=message):
+        tangle_book(book)
+
+
+def test_an_api_name_may_not_hide_another_module(book: Path) -> None:
+    text = FRONT_MATTER.format(extra=f"tangle: {PACKAGE}/extra.py\napi: [training]\n", title="Extra")
+    (book / "book" / "extra.md").write_text(text.replace("VALUE = 1", "training = 1"), encoding="utf-8")
+    add_to_toc(book, "extra")
+    with pytest.raises(ValueError, match=r"book/extra\.md lists 'training' in 'api:', but that is the name of "
+                                         r"another module"):
+        tangle_book(book)
+
+
+def test_api_without_a_module_is_refused(book: Path) -> None:
+    text = FRONT_MATTER.format(extra="api: [VALUE]\n", title="Extra").replace(":tags: [export]\n", "")
+    (book / "book" / "extra.md").write_text(text, encoding="utf-8")
+    add_to_toc(book, "extra")
+    with pytest.raises(ValueError, match=r"book/extra\.md lists 'api:' names but has no 'tangle:' module"):
+        tangle_book(book)
+
+
+def test_the_tangler_parses_no_arguments_itself_and_its_script_still_works(synced: Path, tmp_path: Path) -> None:
+    assert not hasattr(tangle, "argparse") and not hasattr(tangle, "build_parser")
+    result = subprocess.run([sys.executable, "-m", "annotated_transformer.tangle", "--help"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "--check" in result.stdout and "--root" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "annotated_transformer.tangle", "--check", "--root", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "does not hold the book" in result.stderr
+    assert tangle.run(check=True, root=synced) == 0  # the function the command calls, with plain arguments
