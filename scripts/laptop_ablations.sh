@@ -6,8 +6,8 @@
 #
 # Each run trains the laptop profile for $STEPS steps (default 400) on the CPU, one thread, two runs at a time
 # (a 2-core machine), and evaluates the last checkpoint (no averaging: at this budget the loss is still falling
-# fast). The results go to book/results/ablation-NAME.json, with the command that made them; the checkpoints to
-# runs/ablation-NAME/. Needs ANNOTATED_TRANSFORMER_DATA (or a network) and the package installed.
+# fast). batch-1024 halves the tokens per batch and doubles the steps, so that it sees the same tokens. The results
+# go to book/results/ablation-NAME.json, with the command that made them; the checkpoints to runs/ablation-NAME/. Needs ANNOTATED_TRANSFORMER_DATA (or a network) and the package installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -22,8 +22,11 @@ declare -A RUNS=(
     [post-norm-xavier]="--no-norm-first --embedding-init xavier"
     [all-dropout]="--attention-dropout 0.2 --activation-dropout 0.2"
     [factor-1]="--factor 1.0"
+    [warmup-200]="--warmup 200"
+    [vocab-4000]="--vocab-size 4000"
+    [batch-1024]="--max-tokens 1024 --steps $((2 * STEPS))"
 )
-ORDER=(recipe post-norm-xavier post-norm xavier-embeddings all-dropout factor-1)
+ORDER=(recipe post-norm-xavier post-norm xavier-embeddings all-dropout factor-1 warmup-200 vocab-4000 batch-1024)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${ORDER[@]}")
 
