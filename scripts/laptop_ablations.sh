@@ -7,7 +7,8 @@
 # Each run trains the laptop profile for $STEPS steps (default 400) on the CPU, one thread, two runs at a time
 # (a 2-core machine), and evaluates the last checkpoint (no averaging: at this budget the loss is still falling
 # fast). batch-1024 halves the tokens per batch and doubles the steps, so that it sees the same tokens. The results
-# go to book/results/ablation-NAME.json, with the command that made them; the checkpoints to runs/ablation-NAME/. Needs ANNOTATED_TRANSFORMER_DATA (or a network) and the package installed.
+# go to book/results/ablation-NAME.json, with the command that made them; the checkpoints to runs/ablation-NAME/.
+# Needs ANNOTATED_TRANSFORMER_DATA (or a network) and the package installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
