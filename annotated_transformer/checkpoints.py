@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -16,9 +18,6 @@ from torch import nn
 
 from annotated_transformer.model import make_model
 from annotated_transformer.runtime import get_device
-
-
-CHECKPOINT_FORMAT = 1
 
 
 def rng_state() -> dict:
@@ -60,14 +59,60 @@ def write_atomically(path, write, *, mode: str = "wb") -> Path:
     return path
 
 
+CHECKPOINT_FORMAT = 2  # 2: with a SHA-256 checksum; 1 (before checksums): read, with a warning
+
+
+class CheckpointError(ValueError):
+    """A file that is not an intact checkpoint: empty, truncated, damaged or not a checkpoint of this book.
+
+    The message names the file and what is wrong with it.
+    """
+
+
+def content_digest(state) -> str:
+    """SHA-256 (hex) of a checkpoint's content: each tensor's dtype, shape and bytes, and each plain value.
+
+    Dictionaries are walked in their own order (``torch.save`` and ``torch.load`` keep it); anything but tensors,
+    dictionaries, lists, tuples, strings, bytes, numbers, booleans and None raises a TypeError.
+    """
+    digest = hashlib.sha256()
+
+    def feed(value) -> None:
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(f"tensor {value.dtype} {tuple(value.shape)}:".encode())
+            digest.update(flat.view(torch.uint8).numpy())
+        elif isinstance(value, dict):
+            digest.update(f"dict {len(value)}:".encode())
+            for key, item in value.items():
+                feed(key)
+                feed(item)
+        elif isinstance(value, (list, tuple)):
+            digest.update(f"{'list' if isinstance(value, list) else 'tuple'} {len(value)}:".encode())
+            for item in value:
+                feed(item)
+        elif isinstance(value, bytes):
+            digest.update(f"bytes {len(value)}:".encode() + value)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            kind = next(k for k in (bool, int, float, str, type(None)) if isinstance(value, k)).__name__
+            text = float.hex(value) if kind == "float" else str(value)
+            digest.update(f"{kind} {len(text)}:{text}".encode())
+        else:
+            raise TypeError(f"a checkpoint holds tensors and plain values only, not {type(value).__name__}")
+
+    feed(state)
+    return digest.hexdigest()
+
+
 def save_checkpoint(path, *, model: nn.Module, optimizer=None, scheduler=None, step: int = 0,
                     config: dict | None = None, extra: dict | None = None, rng: list | None = None) -> Path:
     """Write a training checkpoint atomically: a temporary file in the same folder, then a rename.
 
     It holds the model's weights, the optimiser's and the schedule's states, the step, the random number
-    generators' states (``rng``, one per process; by default this process's) and the model configuration
-    (``config``, by default ``model.config``), all as tensors and plain Python values so that
-    :func:`load_checkpoint` can read it with ``torch.load(weights_only=True)``.
+    generators' states (``rng``, one per process; by default this process's), the model configuration
+    (``config``, by default ``model.config``) and ``extra``, all as tensors and plain Python values so that
+    :func:`load_checkpoint` can read it with ``torch.load(weights_only=True)``; and the SHA-256 of all that
+    (:func:`content_digest`) under ``"checksum"``.
     """
     path = Path(path)
     if config is None:
@@ -82,17 +127,71 @@ def save_checkpoint(path, *, model: nn.Module, optimizer=None, scheduler=None, s
         "rng": rng if rng is not None else [rng_state()],
         "extra": dict(extra) if extra else {},
     }
+    state["checksum"] = content_digest(state)
     return write_atomically(path, lambda stream: torch.save(state, stream))
 
 
+def torch_reason(error: Exception) -> str:
+    """The line of a ``torch.load`` error that says what happened (its messages run to many lines of advice)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+    line = next((line for line in lines if "WeightsUnpickler error:" in line), lines[0])
+    return f"{type(error).__name__}: {line.split('WeightsUnpickler error:')[-1].strip().split('. ')[0]}"
+
+
+def read_checkpoint_file(path: Path, map_location="cpu"):
+    """``torch.load(path, weights_only=True)``; every way the file can fail to load is one CheckpointError."""
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes): it holds no checkpoint")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except PermissionError:
+        raise
+    except Exception as error:  # RuntimeError, EOFError, OSError, KeyError, pickle's errors, ...: all mean one thing
+        reason = torch_reason(error)
+        if "Unsupported global" in reason:
+            raise CheckpointError(f"{path} is not a checkpoint of this book: it holds objects other than tensors and "
+                                  f"plain values, which loading with weights_only refuses ({reason})") from error
+        raise CheckpointError(f"{path} cannot be read: it is truncated, damaged or not a PyTorch file "
+                              f"({reason})") from error
+
+
+VERIFIED: dict[Path, tuple] = {}  # checkpoints this process verified: path -> its file_stamp when it was read
+
+
+def file_stamp(path: Path) -> tuple:
+    """What changes when a file is rewritten or modified: its inode, size and modification and change times."""
+    info = path.stat()
+    return info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
 def load_checkpoint(path, map_location="cpu") -> dict:
-    """Read a checkpoint written by :func:`save_checkpoint` (with ``weights_only=True``: no code runs)."""
+    """Read a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code runs) and verify it.
+
+    A missing file raises FileNotFoundError; an empty, truncated, damaged or foreign one a :class:`CheckpointError`
+    naming the file and what is wrong. A checkpoint of format 1 (no checksum) is read with a warning.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a checkpoint written by save_checkpoint (format {CHECKPOINT_FORMAT})")
+    VERIFIED.pop(path.resolve(), None)
+    stamp = file_stamp(path)
+    checkpoint = read_checkpoint_file(path, map_location)
+    version = checkpoint.get("format") if isinstance(checkpoint, dict) else None
+    if version not in (1, CHECKPOINT_FORMAT):
+        what = f"format {version!r}" if isinstance(checkpoint, dict) else f"a {type(checkpoint).__name__}"
+        raise CheckpointError(f"{path} is not a checkpoint of this book: it holds {what}, where a checkpoint is a "
+                              f"dictionary of format {CHECKPOINT_FORMAT}")
+    if version == 1:
+        warnings.warn(f"{path} was written before checkpoints carried a checksum (format 1): it is read, but "
+                      "it cannot be verified", stacklevel=2)
+    else:
+        try:
+            digest = content_digest({key: value for key, value in checkpoint.items() if key != "checksum"})
+        except TypeError as error:
+            raise CheckpointError(f"{path} is not a checkpoint of this book: {error}") from None
+        if checkpoint.get("checksum") != digest:
+            raise CheckpointError(f"{path}: checksum mismatch: the file was changed or damaged after it was written")
+    VERIFIED[path.resolve()] = stamp
     return checkpoint
 
 
@@ -126,6 +225,7 @@ def model_from_checkpoint(path, device=None) -> tuple[nn.Module, dict]:
 
 
 CHECKPOINT_NAME = re.compile(r"^step_(\d+)\.pt$")
+LEFTOVER_NAME = re.compile(r"^\.step_\d+\.pt\.\w+\.tmp$")  # write_atomically's temporary file of a checkpoint
 
 
 def checkpoint_path(directory, step: int) -> Path:
@@ -133,7 +233,7 @@ def checkpoint_path(directory, step: int) -> Path:
 
 
 def list_checkpoints(directory) -> list[Path]:
-    """The checkpoints ``step_*.pt`` in ``directory``, oldest step first."""
+    """The checkpoints ``step_*.pt`` in ``directory``, oldest step first (intact or not)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -142,19 +242,116 @@ def list_checkpoints(directory) -> list[Path]:
 
 
 def latest_checkpoint(directory) -> Path | None:
-    """The checkpoint of the highest step in ``directory``, or None."""
+    """The checkpoint of the highest step in ``directory``, or None (see :func:`load_latest_checkpoint`)."""
     found = list_checkpoints(directory)
     return found[-1] if found else None
 
 
+def clean_leftovers(directory) -> list[Path]:
+    """Remove, with a warning, the temporary files that saves killed before their rename left in ``directory``."""
+    directory = Path(directory)
+    found = sorted(p for p in directory.iterdir() if LEFTOVER_NAME.match(p.name)) if directory.is_dir() else []
+    for path in found:
+        path.unlink(missing_ok=True)
+    if found:
+        warnings.warn(f"removed {len(found)} temporary file(s) of interrupted checkpoint saves from {directory}: "
+                      f"{', '.join(p.name for p in found)}", stacklevel=2)
+    return found
+
+
+def checkpoint_problem(path) -> str | None:
+    """None if ``path`` is an intact checkpoint, else what is wrong with it (the CheckpointError's message).
+
+    A file this process verified before and that has not changed since (:func:`file_stamp`) is not read again.
+    """
+    path = Path(path)
+    try:
+        if VERIFIED.get(path.resolve()) == file_stamp(path):
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a checkpoint of format 1 is readable; that is all we ask here
+            load_checkpoint(path)
+    except (CheckpointError, FileNotFoundError) as error:
+        return str(error)
+    return None
+
+
+def load_latest_checkpoint(directory, map_location="cpu", *, warn: bool = True) -> tuple[Path | None, dict | None]:
+    """(path, content) of the newest intact checkpoint of ``directory``, or (None, None) if it holds none.
+
+    Damaged newer checkpoints are skipped, with a warning naming them and the one used (``warn``); if every
+    checkpoint of the folder is damaged, a CheckpointError lists them.
+    """
+    found, damaged = list_checkpoints(directory), []
+    for path in reversed(found):
+        try:
+            checkpoint = load_checkpoint(path, map_location)
+        except CheckpointError as error:
+            damaged.append(str(error))
+            continue
+        if damaged and warn:
+            warnings.warn(f"skipped {len(damaged)} damaged checkpoint(s) and used {path} instead: "
+                          + "; ".join(damaged), stacklevel=2)
+        return path, checkpoint
+    if damaged:
+        raise CheckpointError(f"none of the {len(found)} checkpoint(s) in {directory} is intact: " + "; ".join(damaged))
+    return None, None
+
+
 def rotate_checkpoints(directory, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints of ``directory`` (0 keeps all); return the deleted."""
+    """Delete all but the newest ``keep_last`` intact checkpoints of ``directory`` (0 keeps all); return the deleted.
+
+    A damaged checkpoint is never counted as kept, so no intact one is deleted to make room for it.
+    """
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0, got {keep_last}")
-    old = list_checkpoints(directory)[:-keep_last] if keep_last > 0 else []
+    intact, old = 0, []
+    for path in reversed(list_checkpoints(directory) if keep_last > 0 else []):
+        if intact == keep_last:
+            old.append(path)
+        elif checkpoint_problem(path) is None:
+            intact += 1
     for path in old:
-        path.unlink()
-    return old
+        VERIFIED.pop(path.resolve(), None)
+        path.unlink(missing_ok=True)
+    return old[::-1]
+
+
+def check_run_folder(directory, config: dict, *, resume) -> Path:
+    """Check, before any training, that a run may write its checkpoints to ``directory``; return it as a Path.
+
+    The folder must be, or become, a writable folder. A new run (``resume`` false) needs one without checkpoints;
+    a resumed run (``resume=True``) needs one with checkpoints, the newest intact of which must agree with
+    ``config`` on every setting it holds (its model configuration and ``extra["settings"]``). ``resume`` may also
+    be a checkpoint's path: then the folder may be empty.
+    """
+    folder = Path(directory)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is a file, not a folder: checkpoints need a folder of their own")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-test.", suffix=".tmp")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise ValueError(f"cannot write checkpoints to {folder}: creating it, or a file in it, failed "
+                         f"({error.strerror or error})") from error
+    found = list_checkpoints(folder)
+    if found and not resume:
+        raise ValueError(f"{folder} already holds checkpoints (the newest is {found[-1].name}): resume that run "
+                         "(--resume), or use another folder")
+    if not found:
+        if resume is True:
+            raise FileNotFoundError(f"resume was asked for, but {folder} holds no checkpoint")
+        return folder
+    path, checkpoint = load_latest_checkpoint(folder, warn=False)
+    stored = {**checkpoint["config"], **(checkpoint["extra"] or {}).get("settings", {})}
+    keys = [key for key in config_difference(stored, config) if key in stored and key in config]
+    if keys:
+        details = ", ".join(f"{key} (checkpoint {stored[key]!r}, this run {config[key]!r})" for key in keys)
+        raise ValueError(f"{folder} holds a run with other settings ({path.name}): {details}; resume with the "
+                         "same settings, or use another folder")
+    return folder
 
 
 def average_checkpoints(paths: Sequence) -> dict:

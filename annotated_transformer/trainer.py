@@ -9,7 +9,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -20,9 +20,14 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from annotated_transformer.checkpoints import (
+    CheckpointError,
+    check_run_folder,
     checkpoint_path,
+    checkpoint_problem,
+    clean_leftovers,
     latest_checkpoint,
     load_checkpoint,
+    load_latest_checkpoint,
     load_model_state,
     rng_state,
     rotate_checkpoints,
@@ -118,12 +123,15 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
 def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer, scheduler=None):
     """Restore a checkpoint into model, optimiser, schedule and random generators: (start step, history, seconds).
 
-    ``resume`` is True (the newest checkpoint of ``checkpoint_dir``) or a checkpoint's path.
+    ``resume`` is True (the newest intact checkpoint of ``checkpoint_dir``, skipping damaged ones with a warning)
+    or a checkpoint's path.
     """
-    path = Path(resume) if isinstance(resume, (str, os.PathLike)) else latest_checkpoint(checkpoint_dir)
-    if path is None:
-        raise FileNotFoundError(f"resume was asked for, but {checkpoint_dir} holds no checkpoint")
-    checkpoint = load_checkpoint(path)
+    if isinstance(resume, (str, os.PathLike)):
+        checkpoint = load_checkpoint(resume)
+    else:
+        path, checkpoint = load_latest_checkpoint(checkpoint_dir)
+        if path is None:
+            raise FileNotFoundError(f"resume was asked for, but {checkpoint_dir} holds no checkpoint")
     load_model_state(model, checkpoint)
     if checkpoint["optimizer"] is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -140,8 +148,8 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer, sche
 
 
 def write_checkpoint(checkpoint_dir, step: int, *, model: nn.Module, optimizer, scheduler, history: dict,
-                     train_seconds: float, keep_last: int) -> None:
-    """Write ``step_XXXXXXXX.pt`` (from the first process) with every process's generator state; rotate."""
+                     train_seconds: float, keep_last: int, extra: dict | None = None) -> None:
+    """Write ``step_XXXXXXXX.pt`` (from the first process) with every process's generator state; verify; rotate."""
     rank, world = distributed_context()
     states = [None] * world
     if world > 1:
@@ -149,9 +157,13 @@ def write_checkpoint(checkpoint_dir, step: int, *, model: nn.Module, optimizer, 
     else:
         states = [rng_state()]
     if rank == 0:
-        save_checkpoint(checkpoint_path(checkpoint_dir, step), model=model, optimizer=optimizer,
-                        scheduler=scheduler, step=step, rng=states,
-                        extra={"history": history, "train_seconds": train_seconds})
+        path = save_checkpoint(checkpoint_path(checkpoint_dir, step), model=model, optimizer=optimizer,
+                               scheduler=scheduler, step=step, rng=states,
+                               extra={**(extra or {}), "history": history, "train_seconds": train_seconds})
+        problem = checkpoint_problem(path)
+        if problem:
+            raise CheckpointError(f"the checkpoint just written does not read back, so no older one was deleted: "
+                                  f"{problem}")
         rotate_checkpoints(checkpoint_dir, keep_last)
     if world > 1:
         dist.barrier()
@@ -180,10 +192,26 @@ class Progress:
             self.bar.close()
 
 
+class NonFiniteLossError(ValueError, FloatingPointError):
+    """Training met a loss (or gradient norm) that is not finite; the message names the step and the value."""
+
+
+def check_finite(step: int, loss: float, grad_norm: float | None, checkpoint_dir) -> None:
+    """Raise NonFiniteLossError if step ``step``'s loss per token, or its gradient norm, is not finite."""
+    if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
+        return
+    what = f"the loss per token is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
+    last = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    kept = f"the newest checkpoint, {last}, is from before it" if last else "no checkpoint was written"
+    raise NonFiniteLossError(f"training stopped at step {step}: {what}, not a finite number. The step's update was "
+                             f"not made and no checkpoint of it was written; {kept}. A lower learning rate, gradient "
+                             "clipping or training in float32 may help")
+
+
 def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *, steps: int,
           optimizer: torch.optim.Optimizer, scheduler=None, loss_fn: Callable, accumulation_steps: int = 1,
           clip_norm: float | None = None, device=None, amp: bool | None = None, checkpoint_dir=None,
-          checkpoint_every: int = 0, keep_last: int = 5, resume=False, progress=True) -> dict:
+          checkpoint_every: int = 0, keep_last: int = 5, resume=False, progress=True, extra=None) -> dict:
     """Train ``model`` for ``steps`` optimiser steps; return the history (per step: loss and ``nll`` per token,
     lr, tokens).
 
@@ -192,7 +220,8 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
     for CUDA) runs bfloat16 autocast; ``clip_norm`` clips the gradient norm. With ``checkpoint_dir``, a
     checkpoint is written every ``checkpoint_every`` steps and at the end, keeping the newest ``keep_last``;
     ``resume`` (True, or a checkpoint's path) continues exactly where that checkpoint stopped. Checkpoints record
-    ``train_seconds``, summed over resumed runs. Under ``torchrun`` each micro-batch is split between the
+    ``train_seconds``, summed over resumed runs, and ``extra``. A loss that is not finite stops the run with a
+    :class:`NonFiniteLossError` before its update. Under ``torchrun`` each micro-batch is split between the
     processes and the result equals one process training on the whole batch.
     """
     get_batch = check_training(batches, steps=steps, accumulation_steps=accumulation_steps,
@@ -204,6 +233,8 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
         start, history, seconds_before = resume_training(resume, checkpoint_dir, model=model.to(device),
                                                          optimizer=optimizer, scheduler=scheduler)
     history = history or {"step": [], "loss": [], "nll": [], "lr": [], "tokens": []}
+    if checkpoint_dir is not None and distributed_context()[0] == 0:
+        clean_leftovers(checkpoint_dir)
     net = for_training(model, device)
     bar = Progress(progress, total=steps, initial=start)
     started = time.perf_counter()
@@ -211,8 +242,8 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
         group = [get_batch(step * accumulation_steps + j) for j in range(accumulation_steps)]
         lr = optimizer.param_groups[0]["lr"]
         loss, nll, tokens = accumulate_gradients(net, group, loss_fn, device=device, amp=amp)
-        if clip_norm is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        norm = None if clip_norm is None else float(nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
+        check_finite(step + 1, loss, norm, checkpoint_dir)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:
@@ -224,7 +255,7 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
         if checkpoint_dir is not None and due:
             write_checkpoint(checkpoint_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler,
                              history=history, train_seconds=seconds_before + time.perf_counter() - started,
-                             keep_last=keep_last)
+                             keep_last=keep_last, extra=extra)
     bar.close()
     return history
 
@@ -353,6 +384,9 @@ def train_copy_task(config: CopyConfig | None = None, *, device=None, amp: bool 
     seed_everything(config.seed)
     model = make_model(config.vocab, config.vocab, N=config.N, d_model=config.d_model, d_ff=config.d_ff,
                        h=config.h, dropout=config.dropout).to(device)
+    settings = {key: value for key, value in asdict(config).items() if key != "steps"}
+    if checkpoint_dir is not None:  # before any training: a folder that cannot take the checkpoints fails now
+        check_run_folder(checkpoint_dir, {**model.config, **settings}, resume=resume)
     rank, _ = distributed_context()
     if rank > 0:  # the same initial weights everywhere, but each process its own dropout masks
         seed_everything(config.seed + rank)
@@ -367,5 +401,5 @@ def train_copy_task(config: CopyConfig | None = None, *, device=None, amp: bool 
                     loss_fn=LabelSmoothing(config.vocab, 0, config.smoothing),
                     accumulation_steps=config.accumulation_steps, clip_norm=config.clip_norm, device=device,
                     amp=amp, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                    keep_last=keep_last, resume=resume, progress=progress)
+                    keep_last=keep_last, resume=resume, progress=progress, extra={"settings": settings})
     return model.eval(), history

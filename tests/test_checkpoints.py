@@ -1,0 +1,487 @@
+"""Tests of checkpoint integrity ("nothing lost, nothing silent"): the checksum and the one clear error for every
+way a file can fail to be a checkpoint, resuming from the newest intact checkpoint, rotation that never deletes an
+intact checkpoint for a damaged one, the stop on a loss that is not finite, leftovers of killed saves, the check of a
+run's folder, and a run killed with SIGKILL."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from annotated_transformer import checkpoints, trainer
+from annotated_transformer.checkpoints import (
+    CheckpointError,
+    average_checkpoints,
+    check_run_folder,
+    checkpoint_path,
+    checkpoint_problem,
+    clean_leftovers,
+    content_digest,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest_checkpoint,
+    model_from_checkpoint,
+    rotate_checkpoints,
+    save_checkpoint,
+)
+from annotated_transformer.cli import main
+from annotated_transformer.model import make_model
+from annotated_transformer.trainer import NonFiniteLossError, copy_batches, train, train_copy_task
+from annotated_transformer.training import LabelSmoothing, make_optimizer, make_scheduler
+
+ROOT = Path(__file__).resolve().parents[1]
+COPY = dict(profile="quick", d_model=16, N=1, batch_size=8, device="cpu", progress=False)  # the issue's copy model
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return make_model(**{**dict(src_vocab=11, tgt_vocab=11, N=1, d_model=16, d_ff=32, h=2, dropout=0.1), **overrides})
+
+
+def tiny_batch(index):
+    return next(copy_batches(11, 8, 6, 1, generator=torch.Generator().manual_seed(index)))
+
+
+def flip_bytes(path, offset, count=4):
+    with open(path, "r+b") as stream:
+        stream.seek(offset)
+        data = stream.read(count)
+        stream.seek(offset)
+        stream.write(bytes(byte ^ 0xFF for byte in data))
+
+
+def tensor_offset(path, tensor):
+    """Where ``tensor``'s bytes lie in the file (so that a flip there changes a weight, not the container)."""
+    offset = Path(path).read_bytes().find(tensor.numpy().tobytes())
+    assert offset > 0
+    return offset
+
+
+def saved(tmp_path, name="c.pt", step=1, seed=0):
+    model = tiny_model(seed)
+    optimizer = make_optimizer(model)
+    return save_checkpoint(tmp_path / name, model=model, optimizer=optimizer, step=step), model
+
+
+def train_tiny(folder, steps, *, resume=False, loss_fn=None, keep_last=5, every=2, seed=0, clip_norm=None):
+    model = tiny_model(seed)
+    optimizer = make_optimizer(model)
+    history = train(model, tiny_batch, steps=steps, optimizer=optimizer,
+                    scheduler=make_scheduler(optimizer, 16, warmup=3), loss_fn=loss_fn or LabelSmoothing(11, 0, 0.1),
+                    checkpoint_dir=folder, checkpoint_every=every, keep_last=keep_last, resume=resume,
+                    clip_norm=clip_norm, progress=False)
+    return model, history
+
+
+# The checksum and the clear error ---------------------------------------------------------------------------
+
+def test_content_digest_sees_every_bit_and_nothing_else():
+    state = {"a": torch.arange(6.0).reshape(2, 3), "b": [1, 2.5, "x", None, True, (3, b"y")], "c": {0: 1}}
+    again = {"a": torch.arange(6.0).reshape(2, 3).clone(), "b": [1, 2.5, "x", None, True, (3, b"y")], "c": {0: 1}}
+    assert content_digest(state) == content_digest(again)
+    flipped = {**again, "a": again["a"].clone()}
+    flipped["a"].view(torch.int32)[1, 2] ^= 1
+    for changed in (flipped, {**state, "a": state["a"].reshape(3, 2)}, {**state, "a": state["a"].double()},
+                    {**state, "b": [1, 2.5, "x", None, 1, (3, b"y")]},  # True is not 1
+                    {**state, "b": [1, 2.5000000000000004, "x", None, True, (3, b"y")]},
+                    {**state, "b": [1, 2.5, "x", None, True, [3, b"y"]]},  # a list is not a tuple
+                    {**state, "c": {"0": 1}}, {"c": state["c"], "b": state["b"], "a": state["a"]}):
+        assert content_digest(changed) != content_digest(state)
+    with pytest.raises(TypeError, match="Path"):
+        content_digest({"p": Path("x")})
+
+
+def test_checksum_round_trips_through_the_file(tmp_path):
+    path, model = saved(tmp_path)
+    checkpoint = load_checkpoint(path)
+    assert checkpoint["format"] == checkpoints.CHECKPOINT_FORMAT == 2 and len(checkpoint["checksum"]) == 64
+    assert checkpoint["checksum"] == content_digest({k: v for k, v in checkpoint.items() if k != "checksum"})
+    assert all(torch.equal(a, b) for a, b in zip(checkpoint["model"].values(), model.state_dict().values()))
+
+
+def write_fault(tmp_path, kind) -> tuple[Path, str]:
+    """A file of one kind of fault, and the phrase its CheckpointError must contain."""
+    path, model = saved(tmp_path, "source.pt")
+    data = path.read_bytes()
+    bad = tmp_path / f"{kind}.pt"
+    if kind == "flipped weight":
+        bad.write_bytes(data)
+        flip_bytes(bad, tensor_offset(bad, model.state_dict()["generator.proj.weight"]) + 8)
+        return bad, "checksum mismatch: the file was changed or damaged after it was written"
+    if kind == "flipped step":  # a plain value, not a tensor: the pickle's integer for the step
+        state = torch.load(path, weights_only=True)
+        state["step"] = 7  # written by hand, without a new checksum: as if a byte of the pickle had changed
+        torch.save(state, bad)
+        return bad, "checksum mismatch"
+    if kind.startswith("truncated"):
+        bad.write_bytes(data[: {"truncated 10": 10, "truncated 1000": 1000, "truncated half": len(data) // 2,
+                                "truncated by 1": len(data) - 1}[kind]])
+        return bad, "truncated, damaged or not a PyTorch file"
+    if kind == "empty":
+        bad.write_bytes(b"")
+        return bad, "is empty (0 bytes)"
+    if kind == "a list":
+        torch.save([1, 2, 3], bad)
+        return bad, "not a checkpoint of this book: it holds a list"
+    if kind == "another format":
+        torch.save({"format": 99, "model": {}}, bad)
+        return bad, "not a checkpoint of this book: it holds format 99"
+    if kind in ("text", "hello"):
+        bad.write_text("epoch 1: loss 2.31\n" if kind == "text" else "hello world\n")
+        return bad, "truncated, damaged or not a PyTorch file"
+    if kind == "foreign object":
+        torch.save({"format": 2, "payload": Path("x")}, bad)
+        return bad, "weights_only refuses"
+    if kind == "no checksum":
+        state = torch.load(path, weights_only=True)
+        del state["checksum"]
+        torch.save(state, bad)
+        return bad, "checksum mismatch"
+    raise AssertionError(kind)
+
+
+FAULTS = ["flipped weight", "flipped step", "truncated 10", "truncated 1000", "truncated half", "truncated by 1",
+          "empty", "a list", "another format", "text", "hello", "foreign object", "no checksum"]
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+def test_every_fault_is_one_clear_error_naming_the_file(tmp_path, kind):
+    bad, phrase = write_fault(tmp_path, kind)
+    for load in (load_checkpoint, lambda p: model_from_checkpoint(p, device="cpu"),
+                 lambda p: average_checkpoints([tmp_path / "source.pt", p])):
+        with pytest.raises(CheckpointError) as caught:
+            load(bad)
+        assert isinstance(caught.value, ValueError)
+        assert str(bad) in str(caught.value) and phrase in str(caught.value)
+        assert "\n" not in str(caught.value)  # one line, not PyTorch's page of advice
+    assert checkpoint_problem(bad) == str(caught.value)
+
+
+def test_no_byte_flip_changes_what_loads_silently(tmp_path):
+    """Four bytes inverted anywhere in a checkpoint: either a CheckpointError or exactly the saved content."""
+    path, _ = saved(tmp_path)
+    data, digest = path.read_bytes(), load_checkpoint(path)["checksum"]
+    bad, errors = tmp_path / "flipped.pt", 0
+    for offset in range(0, len(data) - 4, max(1, len(data) // 120)):
+        bad.write_bytes(data)
+        flip_bytes(bad, offset)
+        try:
+            checkpoint = load_checkpoint(bad)
+        except CheckpointError as error:
+            errors += 1
+            assert str(bad) in str(error)
+        else:
+            assert checkpoint["checksum"] == digest
+            assert content_digest({k: v for k, v in checkpoint.items() if k != "checksum"}) == digest
+    assert errors > 60  # most of the file is tensors and the pickle
+
+
+def test_the_command_line_reports_a_damaged_checkpoint_in_one_line(tmp_path, capsys):
+    bad, _ = write_fault(tmp_path, "flipped weight")
+    (tmp_path / "input.txt").write_text("3 4 5\n")
+    assert main(["translate", "--checkpoint", str(bad), "--device", "cpu", "--input", str(tmp_path / "input.txt")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and str(bad) in error and "checksum mismatch" in error
+    assert "Traceback" not in error
+
+
+def test_format_1_checkpoints_load_with_a_warning(tmp_path):
+    path, model = saved(tmp_path)
+    state = torch.load(path, weights_only=True)
+    del state["checksum"]
+    state["format"] = 1
+    torch.save(state, tmp_path / "old.pt")
+    with pytest.warns(UserWarning, match=r"old\.pt was written before checkpoints carried a checksum"):
+        checkpoint = load_checkpoint(tmp_path / "old.pt")
+    assert all(torch.equal(a, b) for a, b in zip(checkpoint["model"].values(), model.state_dict().values()))
+
+
+def test_a_file_changed_after_verification_is_read_again(tmp_path):
+    path, model = saved(tmp_path)
+    assert checkpoint_problem(path) is None and path.resolve() in checkpoints.VERIFIED
+    flip_bytes(path, tensor_offset(path, model.state_dict()["generator.proj.weight"]))
+    assert "checksum mismatch" in checkpoint_problem(path)
+    assert path.resolve() not in checkpoints.VERIFIED
+
+
+# Resuming from the newest intact checkpoint -----------------------------------------------------------------
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint_and_warns(tmp_path):
+    reference, reference_history = train_tiny(None, 8)
+    train_tiny(tmp_path, 6)  # checkpoints 2, 4, 6
+    newest = latest_checkpoint(tmp_path)
+    flip_bytes(newest, tensor_offset(newest, load_checkpoint(newest)["model"]["generator.proj.weight"]))
+    with pytest.warns(UserWarning, match="skipped 1 damaged checkpoint") as caught:
+        resumed, history = train_tiny(tmp_path, 8, resume=True, seed=5)
+    message = str(next(w.message for w in caught if "damaged" in str(w.message)))
+    assert str(newest) in message and str(checkpoint_path(tmp_path, 4)) in message and "checksum mismatch" in message
+    assert history == reference_history  # continued exactly from step 4
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), resumed.state_dict().values()))
+    assert [load_checkpoint(p)["step"] for p in list_checkpoints(tmp_path)] == [2, 4, 6, 8]  # 6 written again
+
+
+def test_issue_reproducer_byte_flip_at_120000_of_a_copy_checkpoint(tmp_path):
+    """The issue's reproducer: 4 bytes flipped at offset 120000 of the newest copy-task checkpoint (d_model 16,
+    one layer); resuming trained on into nan. Now the load fails clearly and resuming continues from step 2."""
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    train_copy_task(steps=4, checkpoint_dir=run, checkpoint_every=2, **COPY)
+    newest = latest_checkpoint(run)
+    assert newest.stat().st_size > 120_004
+    flip_bytes(newest, 120_000)
+    with pytest.raises(CheckpointError, match="step_00000004.pt"):
+        load_checkpoint(newest)
+    with pytest.warns(UserWarning, match="step_00000002.pt instead"):
+        model, history = train_copy_task(steps=6, checkpoint_dir=run, checkpoint_every=2, resume=True, **COPY)
+    assert all(math.isfinite(loss) for loss in history["loss"]) and history["step"] == [1, 2, 3, 4, 5, 6]
+    reference, reference_history = train_copy_task(steps=6, checkpoint_dir=straight, **COPY)
+    assert history == reference_history
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), model.state_dict().values()))
+
+
+def test_resume_when_every_checkpoint_is_damaged_names_them_all(tmp_path):
+    train_tiny(tmp_path, 4)
+    for path in list_checkpoints(tmp_path):
+        path.write_bytes(path.read_bytes()[:500])
+    with pytest.raises(CheckpointError, match="none of the 2 checkpoint") as caught:
+        train_tiny(tmp_path, 6, resume=True)
+    assert all(str(p) in str(caught.value) for p in list_checkpoints(tmp_path))
+    with pytest.raises(CheckpointError, match="none of the 2"):
+        check_run_folder(tmp_path, {}, resume=True)
+
+
+# Rotation ---------------------------------------------------------------------------------------------------
+
+def test_rotation_never_counts_a_damaged_checkpoint_as_kept(tmp_path):
+    model = tiny_model()
+    for step in (1, 2, 3, 4, 5):
+        save_checkpoint(checkpoint_path(tmp_path, step), model=model, step=step)
+    for step in (4, 5):
+        path = checkpoint_path(tmp_path, step)
+        flip_bytes(path, tensor_offset(path, model.state_dict()["generator.proj.weight"]))
+    removed = rotate_checkpoints(tmp_path, keep_last=2)
+    assert [p.name for p in removed] == ["step_00000001.pt"]
+    assert [load_latest_checkpoint(tmp_path, warn=False)[1]["step"]] == [3]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [checkpoint_path(tmp_path, s).name for s in (2, 3, 4, 5)]
+    assert rotate_checkpoints(tmp_path, keep_last=0) == []  # keeps all, reads nothing
+    for path in list_checkpoints(tmp_path):
+        path.write_bytes(b"")
+    assert rotate_checkpoints(tmp_path, keep_last=1) == []  # nothing intact: nothing deleted
+
+
+def test_a_checkpoint_that_does_not_read_back_stops_the_run_and_deletes_nothing(tmp_path, monkeypatch):
+    train_tiny(tmp_path, 4, keep_last=1, every=1)  # keeps step 4
+    real_save = checkpoints.save_checkpoint
+
+    def save_then_damage(path, **kwargs):
+        real_save(path, **kwargs)
+        Path(path).write_bytes(Path(path).read_bytes()[:-100])  # as a failing disk would
+        return Path(path)
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_damage)
+    with pytest.raises(CheckpointError, match="does not read back, so no older one was deleted"):
+        train_tiny(tmp_path, 6, resume=True, keep_last=1, every=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004.pt", "step_00000005.pt"]
+    assert load_checkpoint(checkpoint_path(tmp_path, 4))["step"] == 4
+
+
+# A loss that is not finite ----------------------------------------------------------------------------------
+
+def bad_at_call(n, value):
+    calls, smoothing = 0, LabelSmoothing(11, 0, 0.1)
+
+    def loss_fn(log_probs, labels):
+        nonlocal calls
+        calls += 1
+        loss = smoothing(log_probs, labels)
+        return loss * value if calls == n else loss
+    return loss_fn
+
+
+@pytest.mark.parametrize("value, shown", [(float("nan"), "nan"), (float("inf"), "inf"), (-float("inf"), "-inf")])
+def test_a_loss_that_is_not_finite_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, value, shown):
+    torch.manual_seed(0)
+    model = tiny_model()
+    optimizer = make_optimizer(model)
+    with pytest.raises(NonFiniteLossError) as caught:
+        train(model, tiny_batch, steps=6, optimizer=optimizer, loss_fn=bad_at_call(3, value), checkpoint_dir=tmp_path,
+              checkpoint_every=1, progress=False)
+    message = str(caught.value)
+    assert "step 3" in message and f"is {shown}," in message and str(checkpoint_path(tmp_path, 2)) in message
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, FloatingPointError)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt", "step_00000002.pt"]
+    last = load_checkpoint(checkpoint_path(tmp_path, 2))
+    assert all(torch.equal(last["model"][k], v) for k, v in model.state_dict().items())  # no update was made
+    assert all(math.isfinite(loss) for loss in last["extra"]["history"]["loss"])
+
+
+def test_a_gradient_norm_that_is_not_finite_stops_the_run_when_clipping(tmp_path):
+    model = tiny_model()
+    optimizer = make_optimizer(model)
+    calls = []
+    model.generator.proj.weight.register_hook(lambda grad: grad * float("inf") if len(calls) == 2 else grad)
+
+    def loss_fn(log_probs, labels):
+        calls.append(1)
+        return LabelSmoothing(11, 0, 0.1)(log_probs, labels)
+
+    with pytest.raises(NonFiniteLossError, match="step 2: the gradient norm is (inf|nan)"):
+        train(model, tiny_batch, steps=4, optimizer=optimizer, loss_fn=loss_fn, clip_norm=1.0,
+              checkpoint_dir=tmp_path, checkpoint_every=1, progress=False)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt"]
+
+
+def test_the_command_line_stops_on_a_diverging_run(tmp_path, capsys):
+    args = ["train", "--task", "copy", "--profile", "quick", "--steps", "5", "--d-model", "16", "--layers", "1",
+            "--batch-size", "8", "--device", "cpu", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1",
+            "--factor", "1e30", "--no-progress"]
+    assert main(args) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: training stopped at step ") and "not a finite number" in error
+    assert "Traceback" not in error
+    for path in list_checkpoints(tmp_path):
+        assert all(torch.isfinite(v).all() for v in load_checkpoint(path)["model"].values())
+
+
+# Leftovers of killed saves ----------------------------------------------------------------------------------
+
+def test_leftovers_of_killed_saves_are_removed_and_reported(tmp_path):
+    handle, leftover = tempfile.mkstemp(dir=tmp_path, prefix=".step_00000003.pt.", suffix=".tmp")
+    os.write(handle, b"half a checkpoint")
+    os.close(handle)
+    others = [tmp_path / name for name in (".notes.tmp", "step_00000003.pt.tmp", ".valid.json.abc.tmp", "a.txt")]
+    for path in others:
+        path.write_text("not ours to delete")
+    with pytest.warns(UserWarning, match=r"removed 1 temporary file\(s\) .*\.step_00000003\.pt\.\w+\.tmp"):
+        train_tiny(tmp_path, 2)
+    assert not Path(leftover).exists() and all(path.exists() for path in others)
+    assert clean_leftovers(tmp_path) == [] and clean_leftovers(tmp_path / "missing") == []
+
+
+# One run per folder -----------------------------------------------------------------------------------------
+
+def test_check_run_folder(tmp_path, monkeypatch):
+    config = tiny_model().config
+    new = tmp_path / "a" / "b"
+    assert check_run_folder(new, config, resume=False) == new and new.is_dir() and not list(new.iterdir())
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        check_run_folder(new, config, resume=True)
+    assert check_run_folder(new, config, resume=str(tmp_path / "elsewhere.pt")) == new  # a path: may be empty
+    save_checkpoint(checkpoint_path(new, 3), model=tiny_model(), extra={"settings": {"seed": 0}})
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(the newest is step_00000003.pt\): resume "
+                                         r"that run \(--resume\), or use another folder"):
+        check_run_folder(new, config, resume=False)
+    assert check_run_folder(new, {**config, "seed": 0, "steps": 10}, resume=True) == new
+    with pytest.raises(ValueError, match=r"other settings .*d_model \(checkpoint 16, this run 32\), "
+                                         r"seed \(checkpoint 0, this run 1\)"):
+        check_run_folder(new, {**config, "d_model": 32, "seed": 1}, resume=True)
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        check_run_folder(afile, config, resume=False)
+    with pytest.raises(ValueError, match="cannot write checkpoints to .*file/sub"):
+        check_run_folder(afile / "sub", config, resume=False)
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(checkpoints.tempfile, "mkstemp", read_only)
+    with pytest.raises(ValueError, match=r"cannot write checkpoints to .*\(Permission denied\)"):
+        check_run_folder(tmp_path / "c", config, resume=False)
+
+
+def test_the_copy_task_refuses_a_bad_folder_before_any_training(tmp_path, monkeypatch):
+    train_copy_task(steps=2, checkpoint_dir=tmp_path, **COPY)
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained although the folder should have been refused")
+
+    monkeypatch.setattr(trainer, "train", no_training)
+    with pytest.raises(ValueError, match="already holds checkpoints"):  # another run in the folder
+        train_copy_task(steps=4, checkpoint_dir=tmp_path, **COPY)
+    with pytest.raises(ValueError, match=r"batch_size \(checkpoint 8, this run 16\)"):  # resumed with other settings
+        train_copy_task(steps=4, checkpoint_dir=tmp_path, resume=True, **{**COPY, "batch_size": 16})
+    with pytest.raises(ValueError, match=r"d_model \(checkpoint 16, this run 32\)"):
+        train_copy_task(steps=4, checkpoint_dir=tmp_path, resume=True, **{**COPY, "d_model": 32})
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        train_copy_task(steps=4, checkpoint_dir=latest_checkpoint(tmp_path), **COPY)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+    assert load_checkpoint(latest_checkpoint(tmp_path))["extra"]["settings"]["batch_size"] == 8
+
+
+def test_the_command_line_refuses_a_bad_checkpoint_dir_at_once(tmp_path, capsys):
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    args = ["train", "--task", "copy", "--profile", "quick", "--steps", "2", "--d-model", "16", "--layers", "1",
+            "--batch-size", "8", "--device", "cpu", "--no-progress", "--checkpoint-dir"]
+    for folder in (afile, afile / "sub"):  # refused by the option's own check, or by check_run_folder
+        assert exit_status(main, args + [str(folder)]) == 2
+        error = capsys.readouterr().err
+        assert "error: " in error and str(afile) in error and "Traceback" not in error
+    assert main(args + [str(tmp_path / "run")]) == 0
+    assert main(args + [str(tmp_path / "run")]) == 2  # another run in the folder
+    assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def exit_status(function, argv) -> int:
+    """``function(argv)``'s return value, or the status of the SystemExit with which argparse refuses an option."""
+    try:
+        return function(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+# A run killed with SIGKILL ----------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_a_run_killed_with_sigkill_leaves_loadable_checkpoints_and_resumes(tmp_path):
+    folder = tmp_path / "run"
+    args = ["train", "--task", "copy", "--profile", "quick", "--steps", "100000", "--d-model", "16", "--layers", "1",
+            "--batch-size", "8", "--device", "cpu", "--checkpoint-dir", str(folder), "--checkpoint-every", "1",
+            "--keep-last", "3", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "annotated_transformer", *args], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline, enough = time.monotonic() + 120, None
+        while time.monotonic() < deadline and process.poll() is None:
+            names = os.listdir(folder) if folder.is_dir() else []
+            if sum(name.startswith("step_") for name in names) >= 3:
+                enough = enough or time.monotonic()
+                # Kill while a save is under way if we catch one (within 5 s), so that one may be cut short.
+                if any(name.endswith(".tmp") for name in names) or time.monotonic() > enough + 5:
+                    break
+            else:
+                time.sleep(0.01)
+        assert process.poll() is None, process.stderr.read().decode()
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stderr.close()
+    assert process.returncode == -signal.SIGKILL
+    remaining = list_checkpoints(folder)
+    assert remaining and all(load_checkpoint(path)["step"] >= 1 for path in remaining)  # every one loads
+    killed_saves = [name for name in os.listdir(folder) if name.endswith(".tmp")]  # usually one, cut short
+    step = load_checkpoint(remaining[-1])["step"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args[args.index("--steps") + 1] = str(step + 2)
+        assert main(args + ["--resume"]) == 0
+    leftovers = [name for name in os.listdir(folder) if name.endswith(".tmp")]
+    assert leftovers == [], leftovers
+    assert not [w for w in caught if "damaged" in str(w.message)]  # nothing was damaged by the kill
+    if killed_saves:
+        assert any(all(name in str(w.message) for name in killed_saves) for w in caught)  # and it said so
+    assert load_checkpoint(latest_checkpoint(folder))["step"] == step + 2
