@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from annotated_transformer.runtime import as_int
 
 
 def attention(query, key, value, mask=None, dropout=None):
@@ -18,16 +21,21 @@ def attention(query, key, value, mask=None, dropout=None):
     query (..., T, d_k), key (..., S, d_k), value (..., S, d_v). ``mask`` is a bool tensor that broadcasts to
     (..., T, S); True means "may attend". Masked scores are filled with the most negative finite value of the
     dtype; a query that may attend to nothing gets zero weights and a zero output (as in
-    ``F.scaled_dot_product_attention``). ``dropout`` (a module) is applied to the weights.
-    Returns (output (..., T, d_v), weights (..., T, S)).
+    ``F.scaled_dot_product_attention``). ``dropout`` (a module) is applied to the weights. In float16 and
+    bfloat16 the scores and the softmax are computed in float32, as the fused kernels do (and autocast never
+    lowers them), so large scores do not overflow; the weights come back in the input's dtype. Returns (output (..., T, d_v), weights (..., T, S)).
     """
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
-    d_k = query.size(-1)
-    scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    weights = scores.softmax(dim=-1)
+    d_k, dtype = query.size(-1), query.dtype
+    if dtype in (torch.float16, torch.bfloat16):           # 16 bits: scores and softmax in float32
+        query, key = query.float(), key.float()
+    autocast = query.device.type in ("cpu", "cuda")        # switched off: it would cast the scores to 16 bits
+    with torch.autocast(query.device.type, enabled=False) if autocast else contextlib.nullcontext():
+        scores = (query / math.sqrt(d_k)) @ key.transpose(-2, -1)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        weights = scores.softmax(dim=-1).to(dtype)
     if mask is not None:
         weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
     if dropout is not None:
@@ -64,6 +72,7 @@ class MultiHeadedAttention(nn.Module):
 
     def __init__(self, h, d_model, dropout=0.1):
         super().__init__()
+        h, d_model = as_int(h, "h"), as_int(d_model, "d_model")     # 2.0 or True is a TypeError
         if h < 1 or d_model % h != 0:
             raise ValueError(f"d_model ({d_model}) must be divisible by the number of heads h ({h})")
         self.h, self.d_model, self.d_k = h, d_model, d_model // h

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -13,7 +14,7 @@ import torch
 from annotated_transformer.decoder import DecoderCache
 from annotated_transformer.decoding import greedy_decode
 from annotated_transformer.masks import padding_mask
-from annotated_transformer.runtime import evaluating
+from annotated_transformer.runtime import as_int, evaluating
 
 
 LENGTH_PENALTIES = ("gnmt", "simple", "none")
@@ -48,14 +49,17 @@ def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, beam_si
     ``|Y|`` counts the generated tokens (the end symbol included, the start symbol not) and ``lp`` is the length
     penalty (``penalty``: "gnmt", "simple" or "none"; ``length_penalty`` is alpha >= 0). Outputs have at most
     ``max_len`` tokens, the start symbol included; hypotheses still open at that length are returned as they are.
+    ``src_mask=None`` lets every position of every source be seen, as in ``greedy_decode``.
     ``end_symbol=None`` means there is none (every output has the full length). ``on_step``, if given, is called
     after every step as ``on_step(step, tokens (B, k, step + 1), scores (B, k), finished)``, ``finished`` being
     each sentence's list of finished hypotheses so far.
     """
+    beam_size, n_best = as_int(beam_size, "beam_size"), as_int(n_best, "n_best")   # 2.5 is a TypeError
     check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalty)
     batch, k, device = src.size(0), beam_size, src.device
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)   # row b * k + j: beam j of sentence b
-    src_mask = src_mask.repeat_interleave(k, dim=0)
+    if src_mask is not None:                                           # None: every source position is visible
+        src_mask = src_mask.repeat_interleave(k, dim=0)
     cache = DecoderCache(len(model.decoder.layers))
     tokens = torch.full((batch * k, 1), start_symbol, dtype=src.dtype, device=device)
     score_dtype = torch.float64 if memory.dtype == torch.float64 else torch.float32
@@ -189,6 +193,30 @@ class TokenIds:
         return source_length
 
 
+def positional_limits(model) -> tuple[int | None, int | None]:
+    """The sizes of ``model``'s source and target positional tables (None where a model has no such table)."""
+    def size(embed_name):
+        position = getattr(getattr(model, embed_name, None), "position", None)
+        return getattr(position, "max_len", None)
+    return size("src_embed"), size("tgt_embed")
+
+
+def check_lengths(model, sources, max_len) -> None:
+    """Refuse, before any decoding, a source or an explicit ``max_len`` longer than the model's positional tables."""
+    src_limit, tgt_limit = positional_limits(model)
+    if src_limit is not None:
+        for index, source in enumerate(sources):
+            if len(source) > src_limit:
+                raise ValueError(f"sentence {index} (counting from 0) has {len(source)} tokens; this model reads at "
+                                 f"most {src_limit}: shorten or split it")
+    if max_len is not None:
+        if as_int(max_len, "max_len") < 2:
+            raise ValueError(f"max_len must be at least 2 (the start symbol and one token), got {max_len}")
+        if tgt_limit is not None and max_len > tgt_limit:
+            raise ValueError(f"max_len is {max_len}, but this model writes at most {tgt_limit} tokens, the start "
+                             f"symbol included: use a max_len of at most {tgt_limit}")
+
+
 def strip_special(tokens: Sequence[int], start: int, end: int | None = None) -> list[int]:
     """A decoder's output without its leading start symbol, cut before the first end symbol."""
     tokens = list(tokens)
@@ -204,12 +232,18 @@ def translate_ids(model, tokenizer: Tokenizer, sources: Sequence[Sequence[int]],
 
     ``beam_size=1`` is greedy decoding, larger beams are beam search with ``length_penalty`` (alpha) and
     ``penalty``. ``max_len`` limits every output, start symbol included (default:
-    ``tokenizer.max_len(source length)``). ``tokenizer`` gives the special ids.
+    ``tokenizer.max_len(source length)``, cut to the model's positional table). ``tokenizer`` gives the special ids.
+    Sources and ``max_len`` are checked against the model's positional tables before anything is decoded.
     """
+    beam_size, batch_size = as_int(beam_size, "beam_size"), as_int(batch_size, "batch_size")
     if beam_size < 1 or batch_size < 1:
         raise ValueError(f"beam_size and batch_size must be >= 1, got {beam_size} and {batch_size}")
+    if isinstance(sources, (str, bytes)):
+        raise TypeError("sources must be a list of sources (each a list of token ids), got one string")
     if any(len(source) == 0 for source in sources):
         raise ValueError("every source needs at least one token")
+    check_lengths(model, sources, max_len)
+    tgt_limit = positional_limits(model)[1]
     device = next(model.parameters()).device
     by_length = defaultdict(list)
     for index, source in enumerate(sources):
@@ -217,7 +251,7 @@ def translate_ids(model, tokenizer: Tokenizer, sources: Sequence[Sequence[int]],
     outputs: list[list[int]] = [[] for _ in sources]
     with evaluating(model):
         for length, indices in sorted(by_length.items()):
-            limit = max_len if max_len is not None else tokenizer.max_len(length)
+            limit = max_len if max_len is not None else min(tokenizer.max_len(length), tgt_limit or math.inf)
             for first in range(0, len(indices), batch_size):
                 chunk = indices[first: first + batch_size]
                 src = torch.tensor([list(sources[i]) for i in chunk], device=device)
@@ -237,6 +271,8 @@ def translate(model, tokenizer: Tokenizer, sentences: Sequence[str], *, beam_siz
               length_penalty: float = 0.6, penalty: str = "gnmt", max_len: int | None = None,
               batch_size: int = 32) -> list[str]:
     """Translate sentences (strings) with ``translate_ids``; a list of strings in the order of ``sentences``."""
+    if isinstance(sentences, (str, bytes)):
+        raise TypeError("sentences must be a list of sentences (strings), got one string: pass [sentence]")
     sources = []
     for index, sentence in enumerate(sentences):
         if not isinstance(sentence, str):

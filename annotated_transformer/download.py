@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,6 +25,7 @@ MULTI30K_FILES = {
 }
 DATA_ENV = "ANNOTATED_TRANSFORMER_DATA"
 CACHE_ENV = "ANNOTATED_TRANSFORMER_CACHE"
+STALE_PART_SECONDS = 600   # a .part file untouched this long belongs to no live download
 
 
 def cache_dir() -> Path:
@@ -58,12 +61,29 @@ def download(url: str, destination: Path, name: str) -> Path:
         with os.fdopen(handle, "wb") as stream, urllib.request.urlopen(url, timeout=60) as response:
             for block in iter(lambda: response.read(1 << 16), b""):
                 stream.write(block)
-        verify(Path(temporary), name)
+        actual = sha256(Path(temporary))
+        if actual != MULTI30K_FILES[name]:
+            raise ValueError(f"the download of {url} has SHA-256 {actual}, expected {MULTI30K_FILES[name]}: it is "
+                             f"corrupt or not the Multi30k {name}, and nothing was saved to {destination}; put a "
+                             f"copy with the expected digest in a folder named by {DATA_ENV}")
         os.replace(temporary, destination)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
     return destination
+
+
+def remove_stale_parts(destination: Path, older_than: float = STALE_PART_SECONDS) -> list[Path]:
+    """Delete the ``.part`` files of ``destination`` untouched for ``older_than`` seconds; return their paths."""
+    removed = []
+    for part in destination.parent.glob(f".{glob.escape(destination.name)}.*.part"):
+        try:
+            if time.time() - part.stat().st_mtime > older_than:
+                part.unlink()
+                removed.append(part)
+        except FileNotFoundError:  # another process removed it first
+            pass
+    return removed
 
 
 def fetch(name: str, directory: str | os.PathLike | None = None, url: str = MULTI30K_URL) -> Path:
@@ -87,6 +107,7 @@ def fetch(name: str, directory: str | os.PathLike | None = None, url: str = MULT
             )
         return verify(path, name)
     path = cache_dir() / "multi30k" / name
+    remove_stale_parts(path)                     # left by a download that was killed
     if path.exists():
         return verify(path, name)
     try:

@@ -143,6 +143,8 @@ class LabelSmoothing(nn.Module):
 
     def target_distribution(self, target: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """The smoothed distribution, shape (N, size), for targets of shape (N,); padding rows are zero."""
+        check_target(target, self.size, self.padding_idx)
+        target = target.long()
         dist = torch.full((target.size(0), self.size), self.smoothing / (self.size - 2),
                           dtype=dtype, device=target.device)
         dist.scatter_(1, target.unsqueeze(1), self.confidence)
@@ -153,8 +155,10 @@ class LabelSmoothing(nn.Module):
     def forward(self, log_probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if log_probs.dim() != 2 or log_probs.size(1) != self.size:
             raise ValueError(f"log_probs must have shape (N, {self.size}), got {tuple(log_probs.shape)}")
+        check_target(target, self.size, self.padding_idx)
         if target.shape != log_probs.shape[:1]:
             raise ValueError(f"target must have shape ({log_probs.size(0)},), got {tuple(target.shape)}")
+        target = target.long()                                 # any integer dtype; a no-op for int64
         # The closed form of the sum over k (derived below): no (N, size) matrix is built.
         pad, u = self.padding_idx, self.smoothing / (self.size - 2)
         log_p_target = log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
@@ -164,6 +168,19 @@ class LabelSmoothing(nn.Module):
             others = torch.where(torch.isneginf(log_p_target), log_p_target, rest - log_p_target)
             loss = loss + self.smoothing * math.log(u) - u * others
         return torch.where(target != pad, loss, 0.0).sum()
+
+
+def check_target(target, size: int, padding_idx: int) -> None:
+    """Refuse targets that are not integer token ids in 0..size-1 (TypeError, ValueError): one min and max."""
+    if not isinstance(target, torch.Tensor) or target.dtype == torch.bool or target.is_floating_point() \
+            or target.is_complex():
+        kind = f"dtype {target.dtype}" if isinstance(target, torch.Tensor) else type(target).__name__
+        raise TypeError(f"target must be a tensor of integer token ids, got {kind}")
+    if target.numel():
+        low, high = torch.stack(torch.aminmax(target)).tolist()    # one small copy to the host
+        if low < 0 or high >= size:
+            raise ValueError(f"target holds token id {low if low < 0 else high}; ids must lie in 0..{size - 1} "
+                             f"(size {size}, padding id {padding_idx} included)")
 
 
 def rate(step: int, model_size: int, factor: float = 1.0, warmup: int = 4000) -> float:

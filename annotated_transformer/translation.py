@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from annotated_transformer.beam_search import TokenIds, translate, translate_ids
 from annotated_transformer.checkpoints import (
-    average_checkpoints, latest_checkpoint, list_checkpoints, load_checkpoint, model_from_checkpoint, save_checkpoint,
+    average_checkpoints, check_run_folder, checkpoint_problem, list_checkpoints, load_checkpoint,
+    load_latest_checkpoint, model_from_checkpoint, save_checkpoint, write_atomically,
 )
 from annotated_transformer.data import (
     BOS_ID, EOS_ID, PAD_ID, SPLITS, EpochBatches, collate, encode_pairs, load_split, load_tokenizer,
@@ -239,7 +240,7 @@ def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None, 
     losses, the checkpoint ``average.pt``, the parameter count and the training seconds (summed over resumed runs).
     """
     device = get_device(device)
-    folder, latest = open_run_folder(checkpoint_dir, resume)
+    folder, done = open_run_folder(checkpoint_dir, resume, config)
     seed_everything(config.seed)
     tokenizer, train_examples, valid_examples = prepare_data(config)
     if not train_examples:
@@ -247,11 +248,10 @@ def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None, 
     keep_tokenizer(folder, tokenizer, resume)
     model, optimizer, scheduler, loss_fn = build_translator(config, tokenizer.vocab_size, device)
     batches = EpochBatches(train_examples, config.max_tokens, seed=config.seed)
-    done = load_checkpoint(latest)["step"] if latest is not None else 0
     valid = train_with_validation(model, batches, valid_examples, config, folder, done=done, device=device, amp=amp,
                                   progress=progress, log=log, optimizer=optimizer, scheduler=scheduler,
                                   loss_fn=loss_fn)
-    last = load_checkpoint(latest_checkpoint(folder))
+    _, last = load_latest_checkpoint(folder)
     averaged = average_last_checkpoints(model, folder, valid_examples, config, log=log)
     history = last["extra"].get("history", {})
     path = save_translator(folder / "average.pt", model, tokenizer, step=last["step"],
@@ -261,16 +261,13 @@ def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None, 
                 parameters=sum(p.numel() for p in model.parameters()), **averaged)
 
 
-def open_run_folder(checkpoint_dir, resume: bool) -> tuple[Path, Path | None]:
-    """(the run's folder, its newest checkpoint): a new run needs a folder without checkpoints, a resumed one a run."""
-    folder = Path(checkpoint_dir)
-    latest = latest_checkpoint(folder)
-    if latest is not None and not resume:
-        raise ValueError(f"{folder} already holds checkpoints: resume that run, or use an empty folder")
-    if latest is None and resume:
-        raise FileNotFoundError(f"resume was asked for, but {folder} holds no checkpoint")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder, latest
+def open_run_folder(checkpoint_dir, resume: bool, config: TranslationConfig) -> tuple[Path, int]:
+    """(the run's folder, the step to go on from): ``check_run_folder`` refuses, before any work, a folder that
+    cannot hold this run (not writable, another run's, nothing to resume); a resumed run uses its newest intact
+    checkpoint."""
+    folder = check_run_folder(checkpoint_dir, asdict(config), resume=resume)
+    _, checkpoint = load_latest_checkpoint(folder) if resume else (None, None)
+    return folder, checkpoint["step"] if checkpoint else 0
 
 
 def keep_tokenizer(folder: Path, tokenizer: SentencePieces, resume: bool) -> None:
@@ -296,8 +293,15 @@ def train_with_validation(model: nn.Module, batches, valid_examples, config: Tra
                           done: int, device, amp, progress: bool, log, **training) -> dict:
     """Train from step ``done`` to ``config.steps`` in chunks of ``eval_every`` steps (``training``: optimizer,
     scheduler, loss_fn), each followed by the validation loss; return that curve (kept in valid.json)."""
-    valid_file = folder / "valid.json"
-    valid = json.loads(valid_file.read_text()) if done and valid_file.exists() else {"step": [], "loss": []}
+    valid_file, valid = folder / "valid.json", {"step": [], "loss": []}
+    if done and valid_file.exists():
+        try:  # bad JSON or UTF-8, or lists of different lengths: ValueError; another structure: KeyError, TypeError
+            history = json.loads(valid_file.read_text(encoding="utf-8"))
+            pairs = list(zip(history["step"], history["loss"], strict=True))
+            valid = {"step": [int(step) for step, _ in pairs], "loss": [float(loss) for _, loss in pairs]}
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{valid_file} is damaged (not a history of validation steps and losses): delete it "
+                             f"to resume without the earlier validation losses") from None
     steps, every = config.steps, config.eval_every
     # One progress bar for the whole run (its ETA is the run's); validation lines are printed above it.
     bar = tqdm(total=steps, initial=done, desc="train", disable=not progress, mininterval=1.0, dynamic_ncols=True)
@@ -312,7 +316,7 @@ def train_with_validation(model: nn.Module, batches, valid_examples, config: Tra
         loss = validation_loss(model, valid_examples)
         valid["step"].append(end)
         valid["loss"].append(loss)
-        valid_file.write_text(json.dumps(valid))
+        write_atomically(valid_file, lambda stream: stream.write(json.dumps(valid)), mode="w")  # never half a file
         say(f"step {end:6d}: validation loss {loss:.3f} nats per token (perplexity {math.exp(loss):.1f})")
     bar.close()
     return valid
@@ -321,7 +325,7 @@ def train_with_validation(model: nn.Module, batches, valid_examples, config: Tra
 def average_last_checkpoints(model: nn.Module, folder: Path, valid_examples, config: TranslationConfig, *,
                              log=print) -> dict:
     """Load the mean of the newest ``average`` checkpoints into ``model``; measure what averaging was worth."""
-    kept = list_checkpoints(folder)[-config.average:]
+    kept = [path for path in list_checkpoints(folder) if checkpoint_problem(path) is None][-config.average:]
     averaging = {"checkpoints": [], "loss": []}        # validation loss of the mean of the newest k checkpoints
     for k in range(1, len(kept) + 1):
         model.load_state_dict(average_checkpoints(kept[-k:]))

@@ -580,3 +580,68 @@ def test_cuda_autocast_gradients_match_explicit_path(full_float32_precision):
     fast, explicit = grads
     assert fast.norm() > 0
     assert (fast - explicit).norm() < 0.05 * fast.norm()
+
+
+# ---------------------------------------------------------------- regressions: "Nothing lost, nothing silent"
+
+@pytest.mark.parametrize("h, d_model, name", [(2.0, 16, "h"), (True, 16, "h"), (4, 16.0, "d_model"),
+                                              (4, False, "d_model")])
+def test_mha_rejects_float_and_bool_sizes_naming_the_argument(h, d_model, name):
+    with pytest.raises(TypeError, match=rf"^{name} must be an integer"):
+        MultiHeadedAttention(h, d_model)
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal"])
+def test_attention_in_float16_with_large_scores_matches_the_fused_kernel(mask_name):
+    torch.manual_seed(0)
+    q, k = (100 * torch.randn(2, 2, 6, 64) for _ in range(2))           # |q·k| far above 65504
+    q, k, v = q.half(), k.half(), torch.randn(2, 2, 6, 64).half()
+    assert torch.isinf(q @ k.transpose(-2, -1)).any()                    # the float16 product overflows
+    mask = None if mask_name == "none" else causal(6).unsqueeze(1)
+    out, weights = attention(q, k, v, mask)
+    assert out.dtype == weights.dtype == torch.float16
+    assert torch.isfinite(out).all() and torch.isfinite(weights).all()
+    fused = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    torch.testing.assert_close(out.float(), fused.float(), atol=2e-3, rtol=0)
+    torch.testing.assert_close(out.double(), exact, atol=2e-3, rtol=0)
+
+
+def test_mha_record_path_in_float16_with_large_inputs_matches_the_fast_path():
+    mha = make_mha(dtype=torch.float16)
+    x = (300 * randn(B, S, D, seed=3)).half()
+    with torch.no_grad():
+        fast = mha(x, x, x, causal(S))
+        mha.record_attention = True
+        explicit = mha(x, x, x, causal(S))
+    assert torch.isfinite(explicit).all() and torch.isfinite(mha.attention_weights).all()
+    torch.testing.assert_close(explicit.float(), fast.float(), atol=5e-2, rtol=1e-2)
+
+
+def test_attention_in_float16_keeps_gradients_finite():
+    torch.manual_seed(0)
+    q, k, v = ((100 * torch.randn(1, 1, 4, 64)).half().requires_grad_() for _ in range(3))
+    out, _ = attention(q, k, v)
+    out.float().sum().backward()
+    for tensor in (q, k, v):
+        assert tensor.grad.dtype == torch.float16 and torch.isfinite(tensor.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_under_cpu_autocast_keeps_large_scores_finite(dtype):
+    torch.manual_seed(0)
+    q, k = ((100 * torch.randn(1, 2, 6, 64)).to(dtype) for _ in range(2))
+    v = torch.randn(1, 2, 6, 64).to(dtype)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.isinf(q @ k.transpose(-2, -1)).any()                # autocast's float16 product overflows
+        out, weights = attention(q, k, v)
+    assert weights.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(weights).all()
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    torch.testing.assert_close(out.double(), exact, atol=2e-3, rtol=0)
+
+
+def test_attention_in_16_bit_on_the_meta_device_keeps_shapes_and_dtype():
+    q = torch.empty(2, 3, 5, 8, device="meta", dtype=torch.float16)
+    out, weights = attention(q, q, q)
+    assert out.shape == (2, 3, 5, 8) and weights.shape == (2, 3, 5, 5)
+    assert out.dtype == weights.dtype == torch.float16

@@ -353,6 +353,93 @@ def test_translate_ids_and_translate_refuse_bad_input():
         translate(model, tok, [[3, 4]])
 
 
+
+def test_beam_search_accepts_src_mask_none_like_greedy_decode():
+    model = tiny_model(0)
+    src = torch.tensor([[3, 4, 4, 3, 1], [4, 3, 3, 1, 4]])
+    everything = torch.ones(2, 1, 5, dtype=torch.bool)
+    for n_best in (1, 3):
+        ours = beam_search(model, src, None, 6, START, END, beam_size=3, n_best=n_best)
+        masked = beam_search(model, src, everything, 6, START, END, beam_size=3, n_best=n_best)
+        assert [[h.tokens.tolist() for h in hyps] for hyps in ours] == \
+            [[h.tokens.tolist() for h in hyps] for hyps in masked]
+        assert [[h.score for h in hyps] for hyps in ours] == [[h.score for h in hyps] for hyps in masked]
+    # a beam of one without a mask is greedy decoding without a mask
+    greedy = greedy_decode(model, src, None, 6, START, END)
+    single = beam_search(model, src, None, 6, START, END, beam_size=1, length_penalty=0.0)
+    for row, hyps in zip(greedy.tolist(), single):
+        assert strip_special(row, START, END) == strip_special(hyps[0].tokens.tolist(), START, END)
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(beam_size=2.5), "beam_size"), (dict(beam_size=True), "beam_size"),
+                                          (dict(n_best=1.0), "n_best")])
+def test_beam_search_refuses_non_integer_sizes_naming_them(kwargs, name):
+    with pytest.raises(TypeError, match=rf"^{name} must be an integer"):
+        beam_search(tiny_model(0), SRC, SRC_MASK, 5, START, END, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(beam_size=2.5), "beam_size"), (dict(batch_size=8.0), "batch_size"),
+                                          (dict(max_len=7.5), "max_len")])
+def test_translate_ids_refuses_non_integer_sizes_naming_them(kwargs, name):
+    with pytest.raises(TypeError, match=rf"^{name} must be an integer"):
+        translate_ids(copy_model(), TokenIds(11), [[1, 3, 4]], **kwargs)
+
+
+def count_encodes(model):
+    calls = []
+    original = model.encode
+    model.encode = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    return calls
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_a_source_longer_than_the_positional_table_is_refused_before_decoding(beam_size):
+    model = copy_model()
+    table = model.src_embed.position.max_len
+    calls = count_encodes(model)
+    sources = [[1, 3, 4], [1, 5, 6], [1, 7], [1] + [3] * table, [1, 4]]       # sentence 3 has table + 1 tokens
+    with pytest.raises(ValueError, match=rf"^sentence 3 \(counting from 0\) has {table + 1} tokens; "
+                                         rf"this model reads at most {table}"):
+        translate_ids(model, TokenIds(11), sources, beam_size=beam_size, batch_size=1)
+    with pytest.raises(ValueError, match=rf"sentence 1 \(counting from 0\) has {table + 1} tokens"):
+        translate(model, TokenIds(11), ["3 4", " ".join(["3"] * table)], beam_size=beam_size)
+    assert calls == []                                                         # nothing was decoded
+    calls.clear()
+    (out,) = translate_ids(model, TokenIds(11), [[1] + [3] * (table - 1)], beam_size=beam_size, max_len=3)
+    assert len(calls) == 1 and len(out) == 2                                   # exactly the table's length is read
+
+
+def test_max_len_beyond_the_target_table_is_refused_and_the_default_is_cut_to_it():
+    model = copy_model()
+    table = model.tgt_embed.position.max_len
+    calls = count_encodes(model)
+    with pytest.raises(ValueError, match=rf"max_len is {table + 1}, but this model writes at most {table} tokens"):
+        translate_ids(model, TokenIds(11), [[1, 3, 4]], max_len=table + 1)
+    with pytest.raises(ValueError, match="max_len must be at least 2"):
+        translate_ids(model, TokenIds(11), [[1, 3, 4]], max_len=1)
+    assert calls == []
+
+    class Generous(TokenIds):                       # a default limit beyond the table is cut to the table
+        def max_len(self, source_length):
+            return 10 ** 6
+
+    small = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.0).eval()
+    for embed in (small.src_embed, small.tgt_embed):
+        embed.position.max_len = 6                  # pretend a table of 6 positions (the buffer is longer)
+    (out,) = translate_ids(small, Generous(11), [[1, 3, 4]], beam_size=1)
+    assert len(out) == 5                            # 6 tokens with the start symbol, no end symbol
+
+
+def test_translate_refuses_a_single_string_and_returns_a_list_for_no_sentences():
+    model, tok = copy_model(), TokenIds(11)
+    for single in ("3 4 5", b"3 4 5"):
+        with pytest.raises(TypeError, match=r"list of sentences.*pass \[sentence\]"):
+            translate(model, tok, single)
+    with pytest.raises(TypeError, match="sources must be a list"):
+        translate_ids(model, tok, "3 4 5")
+    assert translate(model, tok, []) == [] and translate(model, tok, ()) == []
+    assert translate_ids(model, tok, []) == []
+
 def test_translate_ids_decodes_in_evaluation_mode():
     model = copy_model()
     model.train()

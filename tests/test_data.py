@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -163,6 +164,64 @@ def test_interrupted_download_leaves_no_partial_file(offline, monkeypatch):
         fetch("val.de.gz")
     assert files_in(offline) == []
 
+
+
+@needs_data
+def test_corrupted_download_message_names_the_url_and_the_final_path_not_a_part_file(tmp_path, offline):
+    server = tmp_path / "server"
+    server.mkdir()
+    good = (FOLDER / "val.de.gz").read_bytes()
+    (server / "val.de.gz").write_bytes(good[:50] + bytes([good[50] ^ 1]) + good[51:])
+    with pytest.raises(ValueError) as error:
+        fetch("val.de.gz", url=server.as_uri() + "/")
+    message = str(error.value)
+    assert f"the download of {server.as_uri()}/val.de.gz has SHA-256" in message
+    assert f"nothing was saved to {offline / 'multi30k' / 'val.de.gz'}" in message and DATA_ENV in message
+    assert ".part" not in message and MULTI30K_FILES["val.de.gz"] in message
+    assert files_in(offline) == []
+
+
+def make_part(folder: Path, name: str, age_seconds: float) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    part = folder / f".{name}.{int(age_seconds)}x.part"
+    part.write_bytes(b"the first blocks")
+    then = time.time() - age_seconds
+    os.utime(part, (then, then))
+    return part
+
+
+@needs_data
+def test_fetch_removes_stale_part_files_of_killed_downloads(tmp_path, offline):
+    server = tmp_path / "server"
+    server.mkdir()
+    (server / "val.de.gz").write_bytes((FOLDER / "val.de.gz").read_bytes())
+    cache = offline / "multi30k"
+    stale = make_part(cache, "val.de.gz", download.STALE_PART_SECONDS + 60)   # a download killed with kill -9
+    live = make_part(cache, "val.de.gz", 5)                                   # another process, still writing
+    other = make_part(cache, "val.en.gz", download.STALE_PART_SECONDS + 60)   # another file's: not this fetch's
+    path = fetch("val.de.gz", url=server.as_uri() + "/")
+    assert not stale.exists() and live.exists() and other.exists()
+    assert files_in(offline) == sorted([live.name, other.name, "val.de.gz"])
+    # A cached file is cleaned around too, without a download.
+    stale = make_part(cache, "val.de.gz", 3600)
+    assert fetch("val.de.gz", url="file:///nowhere/") == path and not stale.exists()
+
+
+def test_remove_stale_parts_returns_what_it_removed_and_tolerates_races(tmp_path, monkeypatch):
+    destination = tmp_path / "train.en.gz"
+    old, new = make_part(tmp_path, "train.en.gz", 700), make_part(tmp_path, "train.en.gz", 10)
+    assert download.remove_stale_parts(destination) == [old] and new.exists()
+    assert download.remove_stale_parts(destination, older_than=1) == [new]
+    assert download.remove_stale_parts(tmp_path / "missing" / "train.en.gz") == []   # no folder yet
+    vanished = make_part(tmp_path, "train.en.gz", 700)
+    real_unlink = Path.unlink
+
+    def removed_by_another_process(self, *args, **kwargs):
+        real_unlink(self)
+        raise FileNotFoundError(self)
+
+    monkeypatch.setattr(Path, "unlink", removed_by_another_process)
+    assert download.remove_stale_parts(destination) == [] and not vanished.exists()
 
 def test_bad_names_are_refused():
     with pytest.raises(ValueError, match="unknown Multi30k file"):

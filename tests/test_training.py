@@ -208,6 +208,37 @@ def test_label_smoothing_bad_arguments():
         LabelSmoothing(5, 0, 0.1)(torch.zeros(3, 5), torch.zeros(2, dtype=torch.long))
 
 
+
+@pytest.mark.parametrize("target, message", [
+    (torch.tensor([1, 5, 0]), r"target holds token id 5; ids must lie in 0\.\.4 \(size 5, padding id 0"),
+    (torch.tensor([1, -2, 0]), r"target holds token id -2; ids must lie in 0\.\.4"),
+])
+def test_label_smoothing_refuses_out_of_range_target_ids(target, message):
+    crit = LabelSmoothing(5, 0, 0.1)
+    log_probs = torch.randn(3, 5).log_softmax(-1)
+    with pytest.raises(ValueError, match=message):
+        crit(log_probs, target)
+    with pytest.raises(ValueError, match=message):
+        crit.target_distribution(target)
+
+
+@pytest.mark.parametrize("target, kind", [(torch.tensor([1.0, 2.0, 0.0]), "dtype torch.float32"),
+                                          (torch.tensor([True, False, True]), "dtype torch.bool"),
+                                          ([1, 2, 0], "list")])
+def test_label_smoothing_refuses_targets_that_are_not_integer_ids(target, kind):
+    with pytest.raises(TypeError, match=f"target must be a tensor of integer token ids, got {kind}"):
+        LabelSmoothing(5, 0, 0.1)(torch.randn(3, 5).log_softmax(-1), target)
+
+
+def test_label_smoothing_accepts_padding_and_any_integer_dtype():
+    crit = LabelSmoothing(5, 0, 0.1)
+    log_probs = torch.randn(4, 5, dtype=torch.float64).log_softmax(-1)
+    target = torch.tensor([0, 4, 1, 0])                    # padding (0) and the last id (4) are both in range
+    expected = crit(log_probs, target)
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        torch.testing.assert_close(crit(log_probs, target.to(dtype)), expected)
+    assert crit(log_probs[:0], target[:0]).item() == 0     # an empty batch needs no check
+
 # The schedule -----------------------------------------------------------------------------------------------
 
 def test_rate_matches_the_formula_and_peaks_at_warmup():

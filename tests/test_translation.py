@@ -394,3 +394,65 @@ def test_a_results_path_that_cannot_be_written_is_refused_before_training(enviro
     with pytest.raises(ValueError, match="is a folder"):
         record_experiment(config, tmp_path / "run", results_path=tmp_path, device="cpu", log=lambda message: None)
     assert not (tmp_path / "run").exists()
+
+
+# valid.json: written atomically, and a damaged one is reported by name ---------------------------------------------
+
+def run_validation_chunks(folder, *, done, steps=30, monkeypatch):
+    """train_with_validation with training and validation replaced by stand-ins: only valid.json is real."""
+    from annotated_transformer import translation
+
+    monkeypatch.setattr(translation, "train", lambda *args, **kwargs: None)
+    losses = iter([4.0, 3.0, 2.0])
+    monkeypatch.setattr(translation, "validation_loss", lambda model, examples: next(losses))
+    config = translation_config("quick", **dict(TINY, steps=steps, eval_every=10))
+    return translation.train_with_validation(None, None, None, config, folder, done=done, device="cpu", amp=False,
+                                             progress=False, log=lambda message: None)
+
+
+@pytest.mark.parametrize("content", ['{"step": [10, 20], "loss": [4.1', "", '{"step": [10, 20], "loss": [4.1]}',
+                                     '{"step": [10]}', '[1, 2]', '{"step": ["ten"], "loss": [4.0]}', "\udcff"])
+def test_a_damaged_valid_json_is_refused_by_name_before_training(tmp_path, monkeypatch, content):
+    from annotated_transformer import translation
+
+    (tmp_path / "valid.json").write_bytes(content.encode("utf-8", "surrogateescape"))
+    monkeypatch.setattr(translation, "train", lambda *args, **kwargs: pytest.fail("trained on a damaged history"))
+    config = translation_config("quick", **TINY)
+    with pytest.raises(ValueError, match=r"valid\.json is damaged .*delete it") as error:
+        translation.train_with_validation(None, None, None, config, tmp_path, done=20, device="cpu", amp=False,
+                                          progress=False, log=lambda message: None)
+    assert str(tmp_path / "valid.json") in str(error.value)
+
+
+def test_valid_json_is_read_back_and_continued(tmp_path, monkeypatch):
+    (tmp_path / "valid.json").write_text(json.dumps({"step": [10], "loss": [4.5]}))
+    valid = run_validation_chunks(tmp_path, done=10, monkeypatch=monkeypatch)
+    assert valid == {"step": [10, 20, 30], "loss": [4.5, 4.0, 3.0]}
+    assert json.loads((tmp_path / "valid.json").read_text()) == valid
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["valid.json"]         # no temporary file is left
+
+
+def test_valid_json_is_written_atomically(tmp_path, monkeypatch):
+    """A run killed while writing valid.json leaves the previous history intact, and no temporary file."""
+    from annotated_transformer import checkpoints, translation
+
+    calls = []
+
+    def killed_on_the_second_write(path, write, **kwargs):
+        calls.append(Path(path).name)
+        if len(calls) < 2:
+            return checkpoints.write_atomically(path, write, **kwargs)
+
+        def half_then_killed(stream):
+            write(stream)
+            stream.seek(stream.tell() // 2)
+            stream.truncate()
+            raise KeyboardInterrupt                                              # as if killed mid-write
+        return checkpoints.write_atomically(path, half_then_killed, **kwargs)
+
+    monkeypatch.setattr(translation, "write_atomically", killed_on_the_second_write)
+    with pytest.raises(KeyboardInterrupt):
+        run_validation_chunks(tmp_path, done=0, monkeypatch=monkeypatch)
+    assert calls == ["valid.json", "valid.json"]
+    assert json.loads((tmp_path / "valid.json").read_text()) == {"step": [10], "loss": [4.0]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["valid.json"]
