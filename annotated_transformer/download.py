@@ -13,6 +13,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+try:
+    import fcntl                # POSIX: a live download holds a lock on its .part file
+except ImportError:             # Windows has no fcntl; there, only the age of a .part file tells
+    fcntl = None
+
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
 MULTI30K_FILES = {
@@ -25,7 +30,7 @@ MULTI30K_FILES = {
 }
 DATA_ENV = "ANNOTATED_TRANSFORMER_DATA"
 CACHE_ENV = "ANNOTATED_TRANSFORMER_CACHE"
-STALE_PART_SECONDS = 600   # a .part file untouched this long belongs to no live download
+STALE_PART_SECONDS = 600   # without locks (Windows): a .part file untouched this long belongs to no live download
 
 
 def cache_dir() -> Path:
@@ -57,28 +62,44 @@ def download(url: str, destination: Path, name: str) -> Path:
     """Download to a temporary file next to ``destination``, verify, then rename: never a partial file."""
     destination.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=destination.parent, prefix=f".{name}.", suffix=".part")
+    if fcntl is not None:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)   # "a live download writes this file"
     try:
-        with os.fdopen(handle, "wb") as stream, urllib.request.urlopen(url, timeout=60) as response:
-            for block in iter(lambda: response.read(1 << 16), b""):
-                stream.write(block)
-        actual = sha256(Path(temporary))
-        if actual != MULTI30K_FILES[name]:
-            raise ValueError(f"the download of {url} has SHA-256 {actual}, expected {MULTI30K_FILES[name]}: it is "
-                             f"corrupt or not the Multi30k {name}, and nothing was saved to {destination}; put a "
-                             f"copy with the expected digest in a folder named by {DATA_ENV}")
-        os.replace(temporary, destination)
+        with os.fdopen(handle, "wb") as stream:         # open (and locked) until the rename
+            with urllib.request.urlopen(url, timeout=60) as response:
+                for block in iter(lambda: response.read(1 << 16), b""):
+                    stream.write(block)
+            stream.flush()
+            actual = sha256(Path(temporary))
+            if actual != MULTI30K_FILES[name]:
+                raise ValueError(f"the download of {url} has SHA-256 {actual}, expected {MULTI30K_FILES[name]}: it "
+                                 f"is corrupt or not the Multi30k {name}, and nothing was saved to {destination}; "
+                                 f"put a copy with the expected digest in a folder named by {DATA_ENV}")
+            os.replace(temporary, destination)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
     return destination
 
 
+def abandoned(part: Path, older_than: float = STALE_PART_SECONDS) -> bool:
+    """True if no live download writes ``part``: nobody holds its lock (or, without locks, it is old)."""
+    if fcntl is None:
+        return time.time() - part.stat().st_mtime > older_than
+    with open(part, "rb") as stream:
+        try:
+            fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+
 def remove_stale_parts(destination: Path, older_than: float = STALE_PART_SECONDS) -> list[Path]:
-    """Delete the ``.part`` files of ``destination`` untouched for ``older_than`` seconds; return their paths."""
+    """Delete the ``.part`` files of ``destination`` that no live download writes; return their paths."""
     removed = []
     for part in destination.parent.glob(f".{glob.escape(destination.name)}.*.part"):
         try:
-            if time.time() - part.stat().st_mtime > older_than:
+            if abandoned(part, older_than):
                 part.unlink()
                 removed.append(part)
         except FileNotFoundError:  # another process removed it first

@@ -8,8 +8,11 @@ into a temporary cache.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -190,16 +193,31 @@ def make_part(folder: Path, name: str, age_seconds: float) -> Path:
     return part
 
 
+@contextlib.contextmanager
+def held(part: Path):
+    """Another process holds the lock of ``part``, as a download still running does."""
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'ab'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+                               str(part)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield part
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 @needs_data
 def test_fetch_removes_stale_part_files_of_killed_downloads(tmp_path, offline):
     server = tmp_path / "server"
     server.mkdir()
     (server / "val.de.gz").write_bytes((FOLDER / "val.de.gz").read_bytes())
     cache = offline / "multi30k"
-    stale = make_part(cache, "val.de.gz", download.STALE_PART_SECONDS + 60)   # a download killed with kill -9
+    stale = make_part(cache, "val.de.gz", 1)                                  # a download killed a moment ago
     live = make_part(cache, "val.de.gz", 5)                                   # another process, still writing
-    other = make_part(cache, "val.en.gz", download.STALE_PART_SECONDS + 60)   # another file's: not this fetch's
-    path = fetch("val.de.gz", url=server.as_uri() + "/")
+    other = make_part(cache, "val.en.gz", 3600)                               # another file's: not this fetch's
+    with held(live):
+        path = fetch("val.de.gz", url=server.as_uri() + "/")
     assert not stale.exists() and live.exists() and other.exists()
     assert files_in(offline) == sorted([live.name, other.name, "val.de.gz"])
     # A cached file is cleaned around too, without a download.
@@ -207,9 +225,18 @@ def test_fetch_removes_stale_part_files_of_killed_downloads(tmp_path, offline):
     assert fetch("val.de.gz", url="file:///nowhere/") == path and not stale.exists()
 
 
+def test_a_killed_download_leaves_a_part_file_that_the_next_fetch_removes(tmp_path):
+    """kill -9 in the middle of a download: the lock dies with the process, so the file is known to be abandoned."""
+    part = make_part(tmp_path, "val.de.gz", 0)
+    with held(part):
+        assert download.remove_stale_parts(tmp_path / "val.de.gz") == [] and part.exists()
+    assert download.remove_stale_parts(tmp_path / "val.de.gz") == [part] and not part.exists()
+
+
 def test_remove_stale_parts_returns_what_it_removed_and_tolerates_races(tmp_path, monkeypatch):
     destination = tmp_path / "train.en.gz"
     old, new = make_part(tmp_path, "train.en.gz", 700), make_part(tmp_path, "train.en.gz", 10)
+    monkeypatch.setattr(download, "fcntl", None)  # without locks (Windows), age decides
     assert download.remove_stale_parts(destination) == [old] and new.exists()
     assert download.remove_stale_parts(destination, older_than=1) == [new]
     assert download.remove_stale_parts(tmp_path / "missing" / "train.en.gz") == []   # no folder yet
@@ -222,6 +249,7 @@ def test_remove_stale_parts_returns_what_it_removed_and_tolerates_races(tmp_path
 
     monkeypatch.setattr(Path, "unlink", removed_by_another_process)
     assert download.remove_stale_parts(destination) == [] and not vanished.exists()
+
 
 def test_bad_names_are_refused():
     with pytest.raises(ValueError, match="unknown Multi30k file"):
