@@ -5,21 +5,85 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import math
 import sys
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+
+
+def checked(kind, allowed, expected: str):
+    """An argparse ``type``: ``kind(text)`` if ``allowed``, else an error saying what was ``expected``."""
+    def parse(text: str):
+        with contextlib.suppress(ValueError):
+            if allowed(value := kind(text)):
+                return value
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return parse
+
+
+def at_least(low: int):
+    return checked(int, lambda value: value >= low, "a positive integer" if low == 1 else f"an integer >= {low}")
+
+
+positive_int, non_negative_int = at_least(1), at_least(0)
+positive_number = checked(float, lambda value: math.isfinite(value) and value > 0, "a positive finite number")
+non_negative_number = checked(float, lambda value: math.isfinite(value) and value >= 0, "a finite number >= 0")
+probability = checked(float, lambda value: 0 <= value < 1, "a probability in [0, 1)")
+seed_int = checked(int, lambda value: 0 <= value < 2**32, "an integer in [0, 2**32)")
+
+
+def device(text: str) -> str:
+    """An argparse ``type``: a device this machine has, as the runtime's ``get_device`` sees it."""
+    from annotated_transformer.runtime import get_device
+
+    try:
+        get_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+class Choices:
+    """An option's values, read from ``annotated_transformer.<module>.<name>`` only when argparse needs them."""
+
+    def __init__(self, module: str, name: str, *, sort: bool = False):
+        self.module, self.name, self.sort = module, name, sort
+
+    def __iter__(self):
+        values = getattr(importlib.import_module(f"annotated_transformer.{self.module}"), self.name)
+        return iter(sorted(values) if self.sort else values)  # and `in` looks through them
+
+
+# The options naming a place that a command writes to: (what it writes there, whether it is a folder of files).
+OUTPUTS = {"checkpoint_dir": ("checkpoints", True), "results": ("the results", False),
+           "output": ("the translations", False), "json": ("the results", False)}
+
+
+def check_output(path, option: str, what: str, *, folder: bool = False) -> None:
+    """Refuse a place where ``what`` cannot be written, in a ValueError naming the ``option``."""
+    path = Path(path)
+    if path.exists() and not (path.is_dir() if folder else path.is_file()):
+        raise ValueError(f"{path} is {'a file, not a folder' if folder else 'not a file'} ({option})")
+    place = next((p for p in [path, *path.parents] if p.exists()), Path.cwd()) if folder else path.parent
+    reason = None if place.is_dir() else f"{place} is a file" if place.exists() else f"there is no folder {place}"
+    try:
+        if reason is None:
+            tempfile.TemporaryFile(dir=place).close()
+    except OSError as error:
+        reason = f"no file can be made in {place} ({error.strerror})"
+    if reason is not None:
+        raise ValueError(f"cannot write {what} to {path} ({option}): {reason}")
 
 
 def add_tangle(subparsers) -> None:
-    from pathlib import Path
-
-    parser = subparsers.add_parser(
-        "tangle", help="regenerate (or --check) the package from the book",
-        description="Tangle the book's chapters into the annotated_transformer package.",
-    )
+    parser = subparsers.add_parser("tangle", help="regenerate (or --check) the package from the book",
+                                   description="Tangle the book's chapters into the annotated_transformer package.")
     parser.add_argument("--root", type=Path, default=None, help="the repository (default: found automatically)")
-    parser.add_argument(
-        "--check", action="store_true",
-        help="write nothing; exit 1 naming every stale, missing or orphan module",
-    )
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming every stale, missing or orphan module")
     parser.set_defaults(run=run_tangle)
 
 
@@ -33,56 +97,56 @@ TASKS = ["copy", "multi30k"]
 
 
 def add_train(subparsers) -> None:
-    """Register ``train``: ``python -m annotated_transformer train --task copy ...``."""
-    parser = subparsers.add_parser(
-        "train", help="train a model (tasks: " + ", ".join(TASKS) + ")",
-        description="Train a Transformer. Sizes left out come from the profile. Run under torchrun "
-                    "(torchrun --nproc-per-node=N -m annotated_transformer train ...) to train on several "
-                    "GPUs with DistributedDataParallel.",
-    )
+    parser = subparsers.add_parser("train", help="train a model (tasks: " + ", ".join(TASKS) + ")", description=(
+        "Train a Transformer. Sizes left out come from the profile. Run under torchrun (torchrun --nproc-per-node=N "
+        "-m annotated_transformer train ...) to train on several GPUs with DistributedDataParallel."))
     parser.add_argument("--task", choices=TASKS, default="copy",
                         help="what to train: 'copy' copies random sequences; 'multi30k' is the German-to-English "
                              "translator of the translation chapter (default: copy)")
     parser.add_argument("--profile", choices=["quick", "laptop", "full", "auto"], default=None,
                         help="sizes: quick (a CPU, about a minute), laptop (--task multi30k only: a real translator "
                              "on a laptop CPU), full (a GPU) or auto (full with CUDA); default: AT_PROFILE")
-    parser.add_argument("--steps", type=int, default=None, help="optimiser steps in total (default: by profile)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="copy task: sequences per micro-batch (default: 128)")
-    parser.add_argument("--accumulation-steps", type=int, default=None,
-                        help="micro-batches whose gradients make one optimiser step (default: 1)")
-    parser.add_argument("--vocab", type=int, default=None,
-                        help="copy task: vocabulary size, ids 0 and 1 being padding and start (default: 11)")
-    parser.add_argument("--seq-len", type=int, default=None, help="copy task: sequence length (default: 10)")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="encoder and decoder layers N (default: the profile's)")
-    parser.add_argument("--d-model", type=int, default=None, help="model width d_model (default: by profile)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps of the schedule (default: by profile)")
-    parser.add_argument("--factor", type=float, default=None,
-                        help="factor of the learning-rate schedule (default: 0.5 for copy, the profile's for multi30k)")
-    parser.add_argument("--smoothing", type=float, default=None,
-                        help="label smoothing epsilon (default: 0 for copy, the profile's for multi30k)")
-    parser.add_argument("--clip-norm", type=float, default=None,
-                        help="clip the gradient norm to this value (default: off)")
-    parser.add_argument("--seed", type=int, default=None, help="random seed (default: 0)")
-    add_run_options(parser)
+    parser.add_argument("--steps", type=positive_int, help="optimiser steps in total (default: by profile)")
+    parser.add_argument("--accumulation-steps", type=positive_int, help="micro-batches per optimiser step (default: 1)")
+    parser.add_argument("--layers", type=positive_int, help="encoder and decoder layers N (default: by profile)")
+    parser.add_argument("--d-model", type=positive_int, help="model width d_model (default: by profile)")
+    parser.add_argument("--d-ff", type=positive_int, help="inner size of the feed-forward layers (default: by profile)")
+    parser.add_argument("--heads", type=positive_int, help="attention heads h (default: by profile)")
+    parser.add_argument("--dropout", type=probability, help="residual dropout probability (default: by profile)")
+    parser.add_argument("--warmup", type=positive_int, help="warm-up steps of the schedule (default: by profile)")
+    parser.add_argument("--factor", type=positive_number, help="schedule factor (default: 0.5 copy, else by profile)")
+    parser.add_argument("--smoothing", type=probability, help="label smoothing (default: 0 copy, else by profile)")
+    parser.add_argument("--clip-norm", type=positive_number, help="clip the gradient norm to this value (default: off)")
+    parser.add_argument("--seed", type=seed_int, help="random seed (default: 0)")
+    parser.add_argument("--device", type=device, help="cpu, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)")
+    parser.add_argument("--amp", action=argparse.BooleanOptionalAction, help="bfloat16 autocast (default: with CUDA)")
+    parser.add_argument("--checkpoint-dir", help="folder for checkpoints step_*.pt (default: none)")
+    parser.add_argument("--checkpoint-every", type=positive_int,
+                        help="a checkpoint every N steps and at the end (default: at the end; multi30k: by profile)")
+    parser.add_argument("--keep-last", type=non_negative_int, help="copy task: checkpoints kept (default 5, 0 = all)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    group = parser.add_argument_group("copy", "settings of --task copy; left out: the profile's values")
+    group.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch (default: 128)")
+    group.add_argument("--vocab", type=at_least(3), help="vocabulary size; 0 is padding, 1 the start (default: 11)")
+    group.add_argument("--seq-len", type=at_least(2), help="sequence length (default: 10)")
     add_translation_train_options(parser)
     parser.set_defaults(run=run_train)
 
 
-def add_run_options(parser) -> None:
-    """The device, precision, checkpoint and progress options of ``train``."""
-    parser.add_argument("--device", default=None,
-                        help="cpu, cuda, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)")
-    parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
-                        help="bfloat16 autocast (default: on for CUDA, off otherwise)")
-    parser.add_argument("--checkpoint-dir", default=None, help="folder for checkpoints step_*.pt (default: none)")
-    parser.add_argument("--checkpoint-every", type=int, default=0,
-                        help="write a checkpoint every this many steps, and at the end (default: only at the end)")
-    parser.add_argument("--keep-last", type=int, default=5, help="checkpoints to keep (default: 5; 0 keeps all)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest checkpoint in --checkpoint-dir")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+EVERY_TASK = {"command", "run", "task", "profile", "device", "amp", "checkpoint_dir", "resume", "progress"}
+OPTION_OF = {"N": "layers", "h": "heads"}  # the settings whose option has another name
+INSTEAD = {"batch_size": " (use --max-tokens)", "keep_last": " (it keeps --average)"}  # for --task multi30k
+
+
+def task_settings(args, settings, *, also=()) -> dict:
+    """{setting: its option's value} for a task's ``settings``; refuse the given options the task would not use."""
+    options = {OPTION_OF.get(name, name): name for name in settings}
+    unused = [k for k, v in vars(args).items() if v is not None and k not in {*options, *EVERY_TASK, *also}]
+    if unused:
+        names = ", ".join("--" + name.replace("_", "-") + INSTEAD.get(name, "") for name in unused)
+        raise ValueError(f"--task {args.task} does not use {names}: leave {'them' if unused[1:] else 'it'} out")
+    return {name: getattr(args, option) for option, name in options.items()}
 
 
 def run_train(args) -> int:
@@ -95,23 +159,17 @@ def run_copy_train(args) -> int:
 
     from annotated_transformer.checkpoints import latest_checkpoint
     from annotated_transformer.decoding import copy_accuracy
-    from annotated_transformer.trainer import copy_config, distributed_context, train_copy_task
+    from annotated_transformer.trainer import CopyConfig, copy_config, distributed_context, train_copy_task
 
+    saving = {k: v for k, v in vars(args).items() if k in ("checkpoint_every", "keep_last") and v is not None}
+    settings = task_settings(args, [field.name for field in fields(CopyConfig)], also=saving)
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir")
     if args.profile == "laptop":
         raise ValueError("--profile laptop is a profile of --task multi30k; the copy task has quick and full")
-    for name in ("steps", "batch_size", "vocab", "seq_len", "layers", "d_model", "warmup"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    config = copy_config(args.profile, vocab=args.vocab, seq_len=args.seq_len, N=args.layers, d_model=args.d_model,
-                         steps=args.steps, batch_size=args.batch_size, accumulation_steps=args.accumulation_steps,
-                         smoothing=args.smoothing, factor=args.factor, warmup=args.warmup,
-                         clip_norm=args.clip_norm, seed=args.seed)
+    config = copy_config(args.profile, **settings)
     model, history = train_copy_task(config, device=args.device, amp=args.amp, checkpoint_dir=args.checkpoint_dir,
-                                     checkpoint_every=args.checkpoint_every, keep_last=args.keep_last,
-                                     resume=args.resume, progress=args.progress)
+                                     resume=args.resume, progress=args.progress, **saving)
     if distributed_context()[0] == 0:
         if history["loss"]:
             print(f"steps: {history['step'][-1]}, final loss per token: {history['loss'][-1]:.4f}")
@@ -126,135 +184,100 @@ def run_copy_train(args) -> int:
 
 def add_translation_train_options(parser) -> None:
     """The options of ``train --task multi30k``: the settings of ``TranslationConfig`` the copy task lacks."""
-    from annotated_transformer.model import EMBEDDING_INITS
-
     group = parser.add_argument_group("multi30k", "settings of --task multi30k; left out: the profile's values")
-    group.add_argument("--vocab-size", type=int, help="pieces in the joint SentencePiece vocabulary")
-    group.add_argument("--train-limit", type=int, help="train on the first N training pairs only")
-    group.add_argument("--max-len", type=int, help="leave out training pairs longer than this many pieces")
-    group.add_argument("--d-ff", type=int, help="inner size of the feed-forward layers")
-    group.add_argument("--heads", type=int, help="attention heads h")
-    group.add_argument("--dropout", type=float, help="residual dropout probability (the paper's)")
-    group.add_argument("--attention-dropout", type=float, help="dropout on the attention weights")
-    group.add_argument("--activation-dropout", type=float, help="dropout inside the feed-forward networks")
-    group.add_argument("--norm-first", action=argparse.BooleanOptionalAction, default=None,
-                       help="pre-norm (--norm-first) or the paper's post-norm (--no-norm-first)")
-    group.add_argument("--embedding-init", choices=EMBEDDING_INITS,
+    group.add_argument("--vocab-size", type=positive_int, help="pieces in the joint SentencePiece vocabulary")
+    group.add_argument("--train-limit", type=positive_int, help="train on the first N training pairs only")
+    group.add_argument("--max-len", type=positive_int, help="leave out training pairs longer than this many pieces")
+    group.add_argument("--attention-dropout", type=probability, help="dropout on the attention weights")
+    group.add_argument("--activation-dropout", type=probability, help="dropout inside the feed-forward networks")
+    group.add_argument("--norm-first", action=argparse.BooleanOptionalAction, help="pre-norm, or the paper's post-norm")
+    group.add_argument("--embedding-init", choices=Choices("model", "EMBEDDING_INITS"),
                        help="the embedding table's initialisation: N(0, 1/d_model) or Xavier")
-    group.add_argument("--max-tokens", type=int, help="padded tokens per side in a micro-batch")
-    group.add_argument("--average", type=int, help="average the last N checkpoints")
-    group.add_argument("--eval-every", type=int,
-                       help="validation loss every N steps (a multiple of --checkpoint-every)")
-    group.add_argument("--valid-limit", type=int, help="validation loss on the first N validation pairs only")
-    group.add_argument("--test-limit", type=int, help="BLEU on the first N test pairs only")
-    group.add_argument("--beam-size", type=int, help="beam size for the final evaluation")
-    group.add_argument("--length-penalty", type=float, help="length penalty alpha of beam search")
-    group.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None,
-                       help="also score beam sizes and length penalties on the validation set")
+    group.add_argument("--max-tokens", type=positive_int, help="padded tokens per side in a micro-batch")
+    group.add_argument("--average", type=positive_int, help="average the last N checkpoints")
+    group.add_argument("--eval-every", type=positive_int, help="validation loss every N steps, at checkpoints")
+    group.add_argument("--valid-limit", type=positive_int, help="validation loss on the first N validation pairs only")
+    group.add_argument("--test-limit", type=positive_int, help="BLEU on the first N test pairs only")
+    group.add_argument("--beam-size", type=positive_int, help="beam size for the final evaluation")
+    group.add_argument("--length-penalty", type=non_negative_number, help="length penalty alpha of beam search")
+    group.add_argument("--sweep", action=argparse.BooleanOptionalAction, help="also tune beam size and alpha on valid")
     group.add_argument("--results", help="write the results (JSON) to this file")
 
 
 def translation_config_from_args(args):
     """The ``TranslationConfig`` that parsed ``train --task multi30k`` arguments ask for."""
-    from annotated_transformer.translation import translation_config
+    from annotated_transformer.translation import SETTINGS, translation_config
 
-    if args.batch_size is not None:
-        raise ValueError("--batch-size counts sentences (copy task); for --task multi30k use --max-tokens")
-    return translation_config(
-        args.profile, vocab_size=args.vocab_size, train_limit=args.train_limit, max_len=args.max_len, N=args.layers,
-        d_model=args.d_model, d_ff=args.d_ff, h=args.heads, dropout=args.dropout,
-        attention_dropout=args.attention_dropout, activation_dropout=args.activation_dropout,
-        norm_first=args.norm_first, embedding_init=args.embedding_init, smoothing=args.smoothing,
-        max_tokens=args.max_tokens, accumulation_steps=args.accumulation_steps, steps=args.steps,
-        warmup=args.warmup, factor=args.factor, clip_norm=args.clip_norm,
-        checkpoint_every=args.checkpoint_every or None, average=args.average, eval_every=args.eval_every,
-        valid_limit=args.valid_limit, test_limit=args.test_limit, beam_size=args.beam_size,
-        length_penalty=args.length_penalty, sweep=args.sweep, seed=args.seed,
-    )
+    return translation_config(args.profile, **task_settings(args, SETTINGS, also=["results"]))
 
 
 def run_translation_train(args) -> int:
     """``train --task multi30k``: train, average, evaluate, write the results."""
     from annotated_transformer.records import command_line, record_experiment
 
+    config = translation_config_from_args(args)
     if args.checkpoint_dir is None:
-        raise ValueError("--task multi30k needs --checkpoint-dir: the checkpoints, the tokenizer and the averaged "
-                         "model average.pt are written there")
-    _, trained = record_experiment(
-        translation_config_from_args(args), args.checkpoint_dir, results_path=args.results, device=args.device,
-        amp=args.amp, resume=args.resume, progress=args.progress, command=command_line(),
-    )
+        raise ValueError("--task multi30k needs --checkpoint-dir: its checkpoints, tokenizer and average.pt go there")
+    _, trained = record_experiment(config, args.checkpoint_dir, results_path=args.results, device=args.device,
+                                   amp=args.amp, resume=args.resume, progress=args.progress, command=command_line())
     print(f"averaged model (translate with it): {trained['checkpoint']}")
     return 0
 
 
 def add_bench(subparsers) -> None:
-    """Register ``bench``: ``python -m annotated_transformer bench --smoke``."""
-    from pathlib import Path
-
-    from annotated_transformer.bench import SECTIONS
-    from annotated_transformer.measure import CLOCKS
-
-    parser = subparsers.add_parser(
-        "bench", help="benchmark training, attention, decoding and the layers of Table 1",
-        description="Benchmark the package: training against nn.Transformer, attention, decoding, Table 1's layers.",
-    )
+    help_line = "benchmark training, attention, decoding and the layers of Table 1"
+    parser = subparsers.add_parser("bench", help=help_line, description=(
+        "Benchmark the package: training against nn.Transformer, attention, decoding, Table 1's layers."))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: a fast check that everything runs")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps or auto (default: AT_DEVICE or auto)")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
-                        help=f"run only these sections ({', '.join(SECTIONS)})")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also save the results as JSON")
-    parser.add_argument("--threads", type=int, default=None, help="PyTorch's number of CPU threads")
+    parser.add_argument("--only", nargs="+", choices=Choices("bench", "SECTIONS"), metavar="SECTION",
+                        help="run only these sections (%(choices)s; default: all)")
+    parser.add_argument("--json", metavar="PATH", help="also save the results as JSON")
+    parser.add_argument("--threads", type=positive_int, help="PyTorch's number of CPU threads")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models in the training section")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+    timing = parser.add_argument_group("timing")
+    timing.add_argument("--clock", choices=Choices("measure", "CLOCKS", sort=True), default="wall",
                         help="wall: elapsed time (default); cpu: the process's CPU time, steadier on a busy machine "
                              "(CPU device, one thread)")
     parser.set_defaults(run=run_bench)
 
 
 def run_bench(args) -> int:
-    from annotated_transformer.bench import run
+    from annotated_transformer.bench import SECTIONS, run
 
-    return run(smoke=args.smoke, device=args.device, sections=args.only, json_path=args.json, threads=args.threads,
-               compile=args.compile, clock=args.clock)
+    return run(smoke=args.smoke, device=args.device, sections=args.only or SECTIONS, json_path=args.json,
+               threads=args.threads, compile=args.compile, clock=args.clock)
 
 
 def add_translate(subparsers) -> None:
-    """Register ``translate``: ``python -m annotated_transformer translate --checkpoint PATH ...``."""
-    from annotated_transformer.beam_search import LENGTH_PENALTIES
-
-    parser = subparsers.add_parser(
-        "translate", help="translate sentences with a trained model (greedy or beam search)",
-        description="Read one sentence per line (from --input or standard input) and write one translation per "
-                    "line to standard output; an empty line gives an empty line. For a copy-task checkpoint a "
-                    "sentence is a line of space-separated token ids, such as '3 4 5'.",
-    )
+    help_line = "translate sentences with a trained model (greedy or beam search)"
+    parser = subparsers.add_parser("translate", help=help_line, description=(
+        "Read one sentence per line (from --input or standard input) and write one translation per line to standard "
+        "output; an empty line gives an empty line. For a copy-task checkpoint a sentence is token ids: '3 4 5'."))
     parser.add_argument("--checkpoint", required=True, help="a checkpoint written by the train command")
-    parser.add_argument("--beam-size", type=int, default=4, help="beam size; 1 is greedy decoding (default: 4)")
     parser.add_argument("--input", default=None, help="a file with one sentence per line (default: standard input)")
-    parser.add_argument("--max-len", type=int, default=None,
-                        help="the longest output in tokens, start symbol included (default: by task)")
-    parser.add_argument("--batch-size", type=int, default=32, help="sentences decoded together (default: 32)")
-    parser.add_argument("--length-penalty", type=float, default=0.6,
-                        help="alpha of the length penalty (default: 0.6, as in the paper)")
-    parser.add_argument("--penalty", choices=LENGTH_PENALTIES, default="gnmt",
-                        help="length penalty: gnmt ((5+|Y|)/6)^alpha, simple |Y|^alpha, none (default: gnmt)")
-    parser.add_argument("--device", default=None,
-                        help="cpu, cuda, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)")
+    parser.add_argument("--device", type=device, help="cpu, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)")
+    decoding = parser.add_argument_group("decoding")
+    decoding.add_argument("--beam-size", type=positive_int, default=4, help="beam size; 1 is greedy (default: 4)")
+    decoding.add_argument("--max-len", type=at_least(2), help="longest output, start symbol counted (default: by task)")
+    decoding.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded at once (default: 32)")
+    decoding.add_argument("--length-penalty", type=non_negative_number, default=0.6,
+                          help="alpha of the length penalty (default: 0.6, as in the paper)")
+    decoding.add_argument("--penalty", choices=Choices("beam_search", "LENGTH_PENALTIES"), default="gnmt",
+                          help="length penalty: gnmt ((5+|Y|)/6)^alpha, simple |Y|^alpha, none (default: gnmt)")
     parser.set_defaults(run=run_translate)
 
 
 def run_translate(args) -> int:
-    """Run ``translate`` with parsed arguments."""
     from annotated_transformer.checkpoints import model_from_checkpoint
     from annotated_transformer.data import read_lines
     from annotated_transformer.translation import checkpoint_tokenizer
 
-    if args.beam_size < 1 or args.batch_size < 1 or (args.max_len is not None and args.max_len < 2):
-        raise ValueError("--beam-size and --batch-size must be >= 1 and --max-len >= 2")
     model, checkpoint = model_from_checkpoint(args.checkpoint, device=args.device)
     tokenizer = checkpoint_tokenizer(checkpoint, args.checkpoint)
-    lines = sys.stdin.read().splitlines() if args.input is None else read_lines(args.input)
+    lines = read_standard_input() if args.input is None else read_lines(args.input)
+    if not lines:
+        raise ValueError(f"{args.input or 'standard input'} is empty: there is nothing to translate")
     outputs = translate_lines(model, tokenizer, lines, beam_size=args.beam_size, max_len=args.max_len,
                               batch_size=args.batch_size, length_penalty=args.length_penalty, penalty=args.penalty)
     sys.stdout.writelines(output + "\n" for output in outputs)
@@ -262,9 +285,19 @@ def run_translate(args) -> int:
     return 0
 
 
+def read_standard_input() -> list[str]:
+    """The lines of standard input, without line ends; a line that is not UTF-8 raises a ValueError naming it."""
+    lines = []
+    for number, line in enumerate(sys.stdin.buffer, start=1):
+        try:
+            lines.append(line.decode("utf-8").rstrip("\r\n"))
+        except UnicodeDecodeError as error:
+            raise ValueError(f"line {number} of standard input is not UTF-8 text: {error.reason}") from None
+    return lines
+
+
 def translate_lines(model, tokenizer, lines: list[str], **options) -> list[str]:
-    """One translation per line (``translate_ids`` with ``options``); an empty line gives an empty string, and a
-    line the tokenizer cannot encode raises a ValueError naming it (from 1)."""
+    """``translate_ids`` of each line; an empty line gives "", one that cannot be encoded a ValueError naming it."""
     from annotated_transformer.beam_search import translate_ids
 
     numbers, sources = [], []
@@ -282,28 +315,23 @@ def translate_lines(model, tokenizer, lines: list[str], **options) -> list[str]:
 
 
 def add_evaluate(subparsers) -> None:
-    """Register ``evaluate``: BLEU of a translation checkpoint on a Multi30k split or any parallel test set."""
-    from annotated_transformer.data import SPLITS
-
-    parser = subparsers.add_parser(
-        "evaluate", help="BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split or a parallel test set",
-        description="Translate a Multi30k split, or any German-English parallel test set (--source and "
-                    "--reference), with a checkpoint written by 'train --task multi30k' and print corpus BLEU "
-                    "(detokenised, cased) and lower-cased BLEU, each with its sacreBLEU signature.",
-    )
+    help_line = "BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split or a parallel test set"
+    parser = subparsers.add_parser("evaluate", help=help_line, description=(
+        "Translate a Multi30k split, or any German-English parallel test set (--source and --reference), with a "
+        "checkpoint of 'train --task multi30k'; print corpus BLEU (detokenised, cased) and lower-cased BLEU, each "
+        "with its sacreBLEU signature."))
     parser.add_argument("--checkpoint", required=True, help="a translation checkpoint (average.pt, or step_*.pt)")
-    parser.add_argument("--split", choices=sorted(SPLITS), default=None,
-                        help="valid, test (the 2016 Flickr test set) or train (default: test)")
-    parser.add_argument("--source", default=None,
-                        help="a German text file, one sentence a line (plain or .gz); needs --reference")
-    parser.add_argument("--reference", default=None,
-                        help="its English reference translations, line by line (plain or .gz)")
-    parser.add_argument("--beam-size", type=int, default=1, help="1 for greedy search (default: 1)")
-    parser.add_argument("--length-penalty", type=float, default=0.6, help="beam search's alpha (default: 0.6)")
-    parser.add_argument("--limit", type=int, default=None, help="score the first N pairs only (default: all)")
-    parser.add_argument("--batch-size", type=int, default=100, help="sentences translated at once (default: 100)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, mps... (default: AT_DEVICE, else the best)")
-    parser.add_argument("--output", default=None, help="also write the translations to this file, one per line")
+    parser.add_argument("--beam-size", type=positive_int, default=1, help="1 for greedy search (default: 1)")
+    parser.add_argument("--length-penalty", type=non_negative_number, default=0.6, help="beam alpha (default: 0.6)")
+    parser.add_argument("--batch-size", type=positive_int, default=100, help="sentences at once (default: 100)")
+    parser.add_argument("--device", type=device, help="cpu, cuda, mps... (default: AT_DEVICE, else the best)")
+    parser.add_argument("--output", help="also write the translations to this file, one per line")
+    test_set = parser.add_argument_group("test set", "a Multi30k split, or two files of parallel sentences")
+    test_set.add_argument("--split", choices=Choices("data", "SPLITS", sort=True), default=None,
+                          help="valid, test (the 2016 Flickr test set) or train (default: test)")
+    test_set.add_argument("--source", help="a German text file, one sentence a line (plain or .gz); needs --reference")
+    test_set.add_argument("--reference", help="its English reference translations, line by line (plain or .gz)")
+    test_set.add_argument("--limit", type=positive_int, help="score the first N pairs only (default: all)")
     parser.set_defaults(run=run_evaluate)
 
 
@@ -326,37 +354,28 @@ def read_parallel(source, reference) -> list[tuple[str, str]]:
 
 
 def run_evaluate(args) -> int:
-    """Run ``evaluate`` with parsed arguments; print the scores and their signatures."""
-    from pathlib import Path
-
+    from annotated_transformer.checkpoints import write_atomically
     from annotated_transformer.data import load_split
     from annotated_transformer.translation import evaluate_bleu, load_translator
 
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be a positive integer, got {args.limit}")
     if (args.source is None) != (args.reference is None):
         raise ValueError("--source and --reference go together: give both files, or neither (for --split)")
     if args.source is not None and args.split is not None:
         raise ValueError("give either --split or --source and --reference, not both")
-    if args.source is not None:
-        pairs, name = read_parallel(args.source, args.reference), Path(args.source).name
-    else:
-        name = args.split or "test"
-        pairs = load_split(name)
-    pairs = pairs[: args.limit]
+    pairs = None if args.source is None else read_parallel(args.source, args.reference)
     model, tokenizer, _ = load_translator(args.checkpoint, args.device)
+    name = Path(args.source).name if args.source is not None else args.split or "test"
+    pairs = (load_split(name) if pairs is None else pairs)[: args.limit]
     scores = evaluate_bleu(model, tokenizer, pairs, beam_size=args.beam_size, length_penalty=args.length_penalty,
                            batch_size=args.batch_size)
     search = "greedy" if args.beam_size == 1 else f"beam {args.beam_size}, alpha {args.length_penalty}"
     print(f"{name} ({len(pairs)} sentences, {search}): BLEU {scores['bleu']:.2f}  {scores['signature']}")
     print(f"lower-cased BLEU {scores['bleu_lowercase']:.2f}  {scores['signature_lowercase']}")
     if args.output:
-        Path(args.output).write_text("".join(h + "\n" for h in scores["hypotheses"]), encoding="utf-8")
+        write_atomically(args.output, lambda out: out.writelines(h + "\n" for h in scores["hypotheses"]), mode="w")
     return 0
 
 
-# name: (its line in the listing of subcommands, the function that registers its options). Each line repeats the
-# help that the registering function gives; the checks below compare the two listings.
 COMMANDS = {
     "tangle": ("regenerate (or --check) the package from the book", add_tangle),
     "train": ("train a model (tasks: copy, multi30k)", add_train),
@@ -367,13 +386,13 @@ COMMANDS = {
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The command line's parser. With ``only`` (a name, or "" for none), the other subcommands are listed with
-    their help line but get no options, so that their modules are not imported."""
+    """The command line's parser; with ``only`` (a name, or "" for none) the others get their help line, no options."""
     parser = argparse.ArgumentParser(
         prog="python -m annotated_transformer",
         description="The Annotated Transformer: tangle the book, train, translate and evaluate.",
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=lambda **kwargs:
+                                       argparse.ArgumentParser(usage="%(prog)s [options]", **kwargs))
     for name, (help_line, add) in COMMANDS.items():
         if only is None or name == only:
             add(subparsers)
@@ -385,9 +404,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((arg for arg in argv if not arg.startswith("-")), "")
-    args = build_parser(only=command if command in COMMANDS else "").parse_args(argv)
     try:
+        args = build_parser(only=command if command in COMMANDS else "").parse_args(argv)
+        for dest, (what, folder) in OUTPUTS.items():
+            if vars(args).get(dest) is not None:
+                check_output(vars(args)[dest], "--" + dest.replace("_", "-"), what, folder=folder)
         return args.run(args)
-    except (ValueError, FileNotFoundError) as error:
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as error:
+        if isinstance(error, OSError) and error.filename is not None:
+            error = f"{error.filename}: {error.strerror}"
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -151,8 +151,119 @@ def test_translation_options_become_a_checked_configuration(capsys, tmp_path: Pa
     config = translation_config_from_args(parser.parse_args(["train", "--task", "multi30k", "--profile", "laptop",
                                                              "--heads", "8", "--no-sweep"]))
     assert config.h == 8 and config.sweep is False and config.changed() == ["h", "sweep"]
-    # a bad value is refused, naming the setting, before anything runs
-    assert main(["train", "--task", "multi30k", "--profile", "quick", "--dropout", "1.5", "--checkpoint-dir",
-                 str(tmp_path / "run")]) == 2
-    assert "dropout must lie in [0, 1)" in capsys.readouterr().err
+    # a bad value is refused, naming the option, as it is parsed: before anything runs
+    err = usage_error(capsys, "train", "--task", "multi30k", "--profile", "quick", "--dropout", "1.5",
+                      "--checkpoint-dir", str(tmp_path / "run"))
+    assert "argument --dropout: expected a probability in [0, 1), got '1.5'" in err
     assert not (tmp_path / "run").exists()
+
+
+# --- what the command line checks, and how it reports ----------------------------------------------------------------
+
+def test_the_copy_task_honours_the_shared_model_options(tmp_path: Path, capsys) -> None:
+    """--heads, --d-ff and --dropout are settings of CopyConfig too; --checkpoint-every and --keep-last reach the
+    training loop."""
+    from annotated_transformer.checkpoints import list_checkpoints, load_checkpoint
+
+    assert main(["train", "--task", "copy", "--profile", "quick", "--steps", "3", "--d-model", "16", "--layers", "1",
+                 "--heads", "2", "--d-ff", "24", "--dropout", "0.25", "--batch-size", "8", "--device", "cpu",
+                 "--checkpoint-every", "1", "--keep-last", "2", "--checkpoint-dir", str(tmp_path),
+                 "--no-progress"]) == 0
+    assert "copy exact-match" in capsys.readouterr().out
+    kept = list_checkpoints(tmp_path)
+    assert [path.name for path in kept] == ["step_00000002.pt", "step_00000003.pt"]
+    config = load_checkpoint(kept[-1])["config"]
+    assert (config["h"], config["d_ff"], config["dropout"], config["d_model"]) == (2, 24, 0.25, 16)
+
+
+def test_each_task_refuses_the_options_it_would_not_use(capsys) -> None:
+    from annotated_transformer.cli import build_parser, translation_config_from_args
+
+    assert main(["train", "--task", "copy", "--max-tokens", "500", "--no-sweep", "--keep-last", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --task copy does not use --max-tokens, --sweep") and "--keep-last" not in err
+    args = build_parser(only="train").parse_args(["train", "--task", "multi30k", "--keep-last", "2"])
+    with pytest.raises(ValueError, match="--task multi30k does not use --keep-last"):
+        translation_config_from_args(args)
+    # every option of train is a setting of one task at least, or one that every task has
+    from annotated_transformer.cli import EVERY_TASK, OPTION_OF
+    from annotated_transformer.trainer import CopyConfig
+    from annotated_transformer.translation import SETTINGS
+
+    dests = set(vars(build_parser(only="train").parse_args(["train"])))
+    known = {OPTION_OF.get(name, name) for name in [*CopyConfig.__dataclass_fields__, *SETTINGS]}
+    assert dests - known - EVERY_TASK == {"keep_last", "results"}
+
+
+def test_numbers_are_checked_as_they_are_parsed() -> None:
+    import argparse
+
+    from annotated_transformer.cli import (non_negative_int, non_negative_number, positive_int, positive_number,
+                                           probability, seed_int)
+
+    good = [(positive_int, "3", 3), (non_negative_int, "0", 0), (positive_number, "1e-3", 1e-3),
+            (non_negative_number, "0", 0.0), (probability, "0", 0.0), (probability, "0.999", 0.999),
+            (seed_int, "4294967295", 2**32 - 1)]
+    for check, text, value in good:
+        assert check(text) == value and type(check(text)) is type(value)
+    bad = [(positive_int, "0"), (positive_int, "-1"), (positive_int, "2.5"), (positive_int, "1e3"),
+           (positive_int, ""), (non_negative_int, "-1"), (positive_number, "0"), (positive_number, "nan"),
+           (positive_number, "inf"), (positive_number, "-inf"), (non_negative_number, "-0.1"),
+           (non_negative_number, "nan"), (probability, "1"), (probability, "-0.0001"), (probability, "nan"),
+           (seed_int, "-1"), (seed_int, str(2**32))]
+    for check, text in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match=f"got {text!r}"):
+            check(text)
+
+
+def test_output_places_are_checked_before_a_command_starts(tmp_path: Path) -> None:
+    from annotated_transformer.cli import check_output
+
+    (tmp_path / "a_file").write_text("")
+    refused = [(tmp_path / "missing" / "out.txt", False, "there is no folder"),
+               (tmp_path, False, "is not a file (--x)"),
+               (tmp_path / "a_file" / "out.txt", False, "a_file is a file"),
+               (tmp_path / "a_file", True, "a_file is a file, not a folder (--x)"),
+               (tmp_path / "a_file" / "run" / "deeper", True, "a_file is a file")]
+    if Path("/proc/self").is_dir():
+        refused += [(Path("/proc/out.txt"), False, "no file can be made in /proc"),
+                    (Path("/proc/run"), True, "no file can be made in /proc")]
+    for path, folder, reason in refused:
+        with pytest.raises(ValueError, match="--x") as error:
+            check_output(path, "--x", "the output", folder=folder)
+        assert reason in str(error.value) and str(path) in str(error.value)
+    for path, folder in [(tmp_path / "a_file", False), (tmp_path / "new.txt", False), (tmp_path, True),
+                         (tmp_path / "new" / "deeper", True)]:
+        check_output(path, "--x", "the output", folder=folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # the checks made nothing
+
+
+def test_main_reports_file_errors_and_interrupts_in_one_line(monkeypatch, capsys) -> None:
+    import annotated_transformer.cli as cli
+
+    def fails(error):
+        def run(args):
+            raise error
+        return run
+
+    monkeypatch.setattr(cli, "run_tangle", fails(IsADirectoryError(21, "Is a directory", "data/train.de.gz")))
+    assert main(["tangle"]) == 2
+    assert capsys.readouterr().err == "error: data/train.de.gz: Is a directory\n"
+    monkeypatch.setattr(cli, "run_tangle", fails(KeyboardInterrupt()))
+    assert main(["tangle"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_refusals_and_help_need_no_pytorch() -> None:
+    """Building every parser, printing the listing and refusing a bad option import no PyTorch, so they answer at
+    once; --help of a subcommand lists the choices, which come from the modules that define them."""
+    code = ("import sys\nfrom annotated_transformer.cli import build_parser, main\nbuild_parser()\n"
+            "for argv in (['--help'], ['train', '--factor', 'nan'], ['translate', '--checkpoint', 'x', '--beam-size',"
+            " '0'], ['evaluate', '--checkpoint', 'x', '--limit', '0'], ['bench', '--threads', '0']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as exit_:\n        print(exit_.code)\n"
+            "print('torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.stdout.split()[-6:] == ["0", "2", "2", "2", "2", "False"], done.stdout + done.stderr
+    for option in ("--factor", "--beam-size", "--limit", "--threads"):
+        assert f"error: argument {option}: expected a positive" in done.stderr
+    assert "--split {test,train,valid}" in cli("evaluate", "--help").stdout

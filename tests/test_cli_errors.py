@@ -1,0 +1,311 @@
+"""Bad input on the command line (book/cli.md): a table of cases, each run as a user runs it, in its own process
+(`python -m annotated_transformer ...` in a folder of its own, with ANNOTATED_TRANSFORMER_DATA passed through).
+
+Every case must exit with a non-zero status, print no traceback, and name what is wrong: each has a substring that
+its standard error must hold (the option, the file or the line). Nothing here trains: a case that would train must be
+refused before training starts, and the working folder is checked at the end for anything a case wrote.
+
+Speed: a refusal that argparse makes, and a place to write that `main` refuses, need no PyTorch and take a fraction
+of a second, so a case's bad options come first and the options that follow give no `--device` (its check loads
+PyTorch). A case that reaches a command's run starts PyTorch, which takes seconds on a busy machine: the table has a
+few of those, and a second table runs more of them through `main` in this process, with the same checks.
+"""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from annotated_transformer.checkpoints import save_checkpoint
+from annotated_transformer.cli import main
+from annotated_transformer.model import make_model
+
+PROC = Path("/proc/self").is_dir()  # Linux's process folder: no file can be made there, not even by root
+ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0  # root writes in folders without write permission
+
+# The options after a case's own; --steps 1 keeps short a run that a broken check would let start.
+COPY = ["--task", "copy", "--profile", "quick", "--d-model", "16", "--layers", "1", "--batch-size", "8",
+        "--no-progress", "--steps", "1"]
+MULTI30K = ["--task", "multi30k", "--profile", "quick", "--no-progress", "--steps", "1", "--checkpoint-dir", "run"]
+
+
+def train(*bad: str) -> list[str]:
+    return ["train", *bad, *COPY]
+
+
+def multi30k(*bad: str) -> list[str]:
+    return ["train", *bad, *MULTI30K]
+
+
+def translate(*bad: str) -> list[str]:
+    return ["translate", *bad, "--checkpoint", "copy.pt"]  # an untrained copy-task model (the fixture below)
+
+
+def evaluate(*bad: str) -> list[str]:
+    return ["evaluate", *bad, "--checkpoint", "copy.pt"]
+
+
+def bench(*bad: str) -> list[str]:
+    return ["bench", *bad, "--smoke"]
+
+
+def usage(option: str, value: str, expected: str) -> str:
+    """argparse's refusal of a bad value, in the words of the command line's types."""
+    return f"argument {option}: expected {expected}, got {value!r}"
+
+
+POSITIVE, PROBABILITY = "a positive integer", "a probability in [0, 1)"
+FINITE, NON_NEGATIVE = "a positive finite number", "a finite number >= 0"
+
+# (name, command line, what standard error must hold, standard input)
+CASES = [
+    ("no-command", [], "the following arguments are required: COMMAND", None),
+    ("unknown-command", ["no-such-command"], "invalid choice: 'no-such-command'", None),
+    ("unknown-option", ["train", "--no-such-option"], "unrecognized arguments: --no-such-option", None),
+    # train: every number is checked as it is parsed
+    ("factor-nan", train("--factor", "nan"), usage("--factor", "nan", FINITE), None),
+    ("factor-negative", train("--factor", "-1"), usage("--factor", "-1", FINITE), None),
+    ("factor-infinite", train("--factor", "inf"), usage("--factor", "inf", FINITE), None),
+    ("factor-zero", train("--factor", "0"), usage("--factor", "0", FINITE), None),
+    ("clip-norm-negative", train("--clip-norm", "-1"), usage("--clip-norm", "-1", FINITE), None),
+    ("clip-norm-nan", train("--clip-norm", "nan"), usage("--clip-norm", "nan", FINITE), None),
+    ("smoothing-one", train("--smoothing", "1"), usage("--smoothing", "1", PROBABILITY), None),
+    ("smoothing-negative", train("--smoothing", "-0.1"), usage("--smoothing", "-0.1", PROBABILITY), None),
+    ("dropout-above-one", train("--dropout", "1.5"), usage("--dropout", "1.5", PROBABILITY), None),
+    ("dropout-nan", train("--dropout", "nan"), usage("--dropout", "nan", PROBABILITY), None),
+    ("steps-negative", train("--steps", "-1"), usage("--steps", "-1", POSITIVE), None),
+    ("steps-zero", train("--steps", "0"), usage("--steps", "0", POSITIVE), None),
+    ("steps-fraction", train("--steps", "2.5"), usage("--steps", "2.5", POSITIVE), None),
+    ("batch-size-zero", train("--batch-size", "0"), usage("--batch-size", "0", POSITIVE), None),
+    ("vocab-too-small", train("--vocab", "2"), usage("--vocab", "2", "an integer >= 3"), None),
+    ("seq-len-too-short", train("--seq-len", "1"), usage("--seq-len", "1", "an integer >= 2"), None),
+    ("layers-zero", train("--layers", "0"), usage("--layers", "0", POSITIVE), None),
+    ("d-model-negative", train("--d-model", "-16"), usage("--d-model", "-16", POSITIVE), None),
+    ("d-ff-zero", train("--d-ff", "0"), usage("--d-ff", "0", POSITIVE), None),
+    ("heads-zero", train("--heads", "0"), usage("--heads", "0", POSITIVE), None),
+    ("warmup-zero", train("--warmup", "0"), usage("--warmup", "0", POSITIVE), None),
+    ("accumulation-zero", train("--accumulation-steps", "0"), usage("--accumulation-steps", "0", POSITIVE), None),
+    ("seed-negative", train("--seed", "-1"), usage("--seed", "-1", "an integer in [0, 2**32)"), None),
+    ("seed-word", train("--seed", "abc"), usage("--seed", "abc", "an integer in [0, 2**32)"), None),
+    ("checkpoint-every-zero", train("--checkpoint-every", "0"), usage("--checkpoint-every", "0", POSITIVE), None),
+    ("keep-last-negative", train("--keep-last", "-1"), usage("--keep-last", "-1", "an integer >= 0"), None),
+    ("task-unknown", train("--task", "translate"), "argument --task: invalid choice: 'translate'", None),
+    ("profile-unknown", train("--profile", "huge"), "argument --profile: invalid choice: 'huge'", None),
+    # train --task multi30k: its own settings
+    ("train-limit-negative", multi30k("--train-limit", "-5"), usage("--train-limit", "-5", POSITIVE), None),
+    ("train-limit-zero", multi30k("--train-limit", "0"), usage("--train-limit", "0", POSITIVE), None),
+    ("length-penalty-negative", multi30k("--length-penalty", "-1"), usage("--length-penalty", "-1", NON_NEGATIVE),
+     None),
+    ("length-penalty-nan", multi30k("--length-penalty", "nan"), usage("--length-penalty", "nan", NON_NEGATIVE), None),
+    ("beam-size-zero", multi30k("--beam-size", "0"), usage("--beam-size", "0", POSITIVE), None),
+    ("beam-size-fraction", multi30k("--beam-size", "2.5"), usage("--beam-size", "2.5", POSITIVE), None),
+    ("vocab-size-zero", multi30k("--vocab-size", "0"), usage("--vocab-size", "0", POSITIVE), None),
+    ("max-len-zero", multi30k("--max-len", "0"), usage("--max-len", "0", POSITIVE), None),
+    ("attention-dropout-one", multi30k("--attention-dropout", "1"), usage("--attention-dropout", "1", PROBABILITY),
+     None),
+    ("activation-dropout-negative", multi30k("--activation-dropout", "-0.5"),
+     usage("--activation-dropout", "-0.5", PROBABILITY), None),
+    ("max-tokens-zero", multi30k("--max-tokens", "0"), usage("--max-tokens", "0", POSITIVE), None),
+    ("average-zero", multi30k("--average", "0"), usage("--average", "0", POSITIVE), None),
+    ("eval-every-zero", multi30k("--eval-every", "0"), usage("--eval-every", "0", POSITIVE), None),
+    ("valid-limit-zero", multi30k("--valid-limit", "0"), usage("--valid-limit", "0", POSITIVE), None),
+    ("test-limit-negative", multi30k("--test-limit", "-1"), usage("--test-limit", "-1", POSITIVE), None),
+    # train: the places to write are checked before anything runs
+    ("checkpoint-dir-a-file", train("--checkpoint-dir", "a_file.txt"),
+     "error: a_file.txt is a file, not a folder (--checkpoint-dir)", None),
+    ("checkpoint-dir-under-a-file", train("--checkpoint-dir", "a_file.txt/run"),
+     "error: cannot write checkpoints to a_file.txt/run (--checkpoint-dir): a_file.txt is a file", None),
+    ("checkpoint-dir-system-folder", train("--checkpoint-dir", "/proc/run"),
+     "error: cannot write checkpoints to /proc/run (--checkpoint-dir): no file can be made in /proc", None),
+    ("checkpoint-dir-read-only", train("--checkpoint-dir", "read_only/run"),
+     "(--checkpoint-dir): no file can be made in read_only", None),
+    ("results-missing-folder", multi30k("--results", "missing/results.json"),
+     "error: cannot write the results to missing/results.json (--results): there is no folder missing", None),
+    ("results-a-folder", multi30k("--results", "a_folder"), "error: a_folder is not a file (--results)", None),
+    ("results-system-folder", multi30k("--results", "/proc/results.json"),
+     "(--results): no file can be made in /proc", None),
+    ("results-under-a-file", multi30k("--results", "a_file.txt/results.json"),
+     "(--results): a_file.txt is a file", None),
+    # train: an option the task would not use is refused, not ignored; what depends on two options, by the config
+    ("copy-refuses-translation-options", train("--vocab-size", "100", "--sweep", "--results", "r.json"),
+     "--task copy does not use --vocab-size, --sweep, --results", None),
+    ("multi30k-refuses-copy-options", multi30k("--batch-size", "8", "--seq-len", "5", "--keep-last", "2"),
+     "--task multi30k does not use --keep-last (it keeps --average), --batch-size (use --max-tokens), --seq-len", None),
+    # translate
+    ("translate-without-checkpoint", ["translate"], "the following arguments are required: --checkpoint", None),
+    ("translate-beam-size-zero", translate("--beam-size", "0"), usage("--beam-size", "0", POSITIVE), None),
+    ("translate-beam-size-fraction", translate("--beam-size", "2.5"), usage("--beam-size", "2.5", POSITIVE), None),
+    ("translate-batch-size-zero", translate("--batch-size", "0"), usage("--batch-size", "0", POSITIVE), None),
+    ("translate-max-len-one", translate("--max-len", "1"), usage("--max-len", "1", "an integer >= 2"), None),
+    ("translate-length-penalty-negative", translate("--length-penalty", "-1"),
+     usage("--length-penalty", "-1", NON_NEGATIVE), None),
+    ("translate-length-penalty-infinite", translate("--length-penalty", "inf"),
+     usage("--length-penalty", "inf", NON_NEGATIVE), None),
+    ("translate-missing-checkpoint", ["translate", "--checkpoint", "missing.pt"], "no checkpoint at missing.pt", b""),
+    ("translate-input-a-folder", translate("--input", "a_folder"), "a_folder is a folder", None),
+    ("translate-stdin-not-utf8", translate(), "line 2 of standard input is not UTF-8", b"3 4\n\xe4 5\n"),
+    # evaluate
+    ("evaluate-beam-size-zero", evaluate("--beam-size", "0"), usage("--beam-size", "0", POSITIVE), None),
+    ("evaluate-limit-zero", evaluate("--limit", "0"), usage("--limit", "0", POSITIVE), None),
+    ("evaluate-limit-negative", evaluate("--limit", "-1"), usage("--limit", "-1", POSITIVE), None),
+    ("evaluate-length-penalty-negative", evaluate("--length-penalty", "-1"),
+     usage("--length-penalty", "-1", NON_NEGATIVE), None),
+    ("evaluate-batch-size-zero", evaluate("--batch-size", "0"), usage("--batch-size", "0", POSITIVE), None),
+    ("evaluate-output-missing-folder", evaluate("--output", "missing/out.txt"),
+     "error: cannot write the translations to missing/out.txt (--output): there is no folder missing", None),
+    ("evaluate-output-a-folder", evaluate("--output", "a_folder"), "error: a_folder is not a file (--output)", None),
+    ("evaluate-output-system-folder", evaluate("--output", "/proc/out.txt"),
+     "(--output): no file can be made in /proc", None),
+    ("evaluate-copy-checkpoint", evaluate(), "copy.pt holds no tokenizer", None),
+    # bench
+    ("bench-threads-zero", bench("--threads", "0"), usage("--threads", "0", POSITIVE), None),
+    ("bench-json-missing-folder", bench("--json", "missing/bench.json"),
+     "error: cannot write the results to missing/bench.json (--json): there is no folder missing", None),
+    ("bench-json-a-folder", bench("--json", "a_folder"), "error: a_folder is not a file (--json)", None),
+    # tangle
+    ("tangle-root-not-a-book", ["tangle", "--check", "--root", "a_folder"], "a_folder does not hold the book", None),
+    ("tangle-root-missing", ["tangle", "--check", "--root", "missing"], "missing does not hold the book", None),
+    ("tangle-unknown-option", ["tangle", "--dry-run"], "unrecognized arguments: --dry-run", None),
+]
+SKIP = {  # the cases this machine cannot pose (they are not run: each would train), with the reason
+    **{name: "no /proc here" for name in ("checkpoint-dir-system-folder", "results-system-folder",
+                                          "evaluate-output-system-folder") if not PROC},
+    **({"checkpoint-dir-read-only": "root may write in a folder without write permission"} if ROOT_USER else {}),
+}
+
+# The same checks through `main` in this process, for more refusals that come from a command's run.
+IN_PROCESS = [
+    ("device-unknown", train("--device", "nonsense"), "argument --device: ", None),
+    ("embedding-init-unknown", multi30k("--embedding-init", "zeros"), "argument --embedding-init: invalid choice",
+     None),
+    ("copy-heads-do-not-divide", train("--heads", "3"), "d_model (16) must be divisible by h (3)", None),
+    ("copy-laptop-profile", ["train", "--profile", "laptop", "--steps", "1", "--no-progress"],
+     "--profile laptop is a profile of --task multi30k", None),
+    ("copy-refuses-norm-first", train("--no-norm-first"), "--task copy does not use --norm-first", None),
+    ("copy-resume-without-folder", train("--resume"), "--resume needs --checkpoint-dir", None),
+    ("copy-resume-nothing", train("--resume", "--checkpoint-dir", "a_folder"), "a_folder holds no checkpoint", None),
+    ("multi30k-without-folder", ["train", "--task", "multi30k", "--profile", "quick"],
+     "--task multi30k needs --checkpoint-dir", None),
+    ("multi30k-eval-not-at-checkpoints", multi30k("--checkpoint-every", "5", "--eval-every", "7"),
+     "eval_every (7) must be a multiple of checkpoint_every (5)", None),
+    ("translate-penalty-unknown", translate("--penalty", "cubic"), "argument --penalty: invalid choice: 'cubic'",
+     None),
+    ("translate-checkpoint-a-folder", ["translate", "--checkpoint", "a_folder"], "no checkpoint at a_folder", b""),
+    ("translate-checkpoint-not-a-checkpoint", ["translate", "--checkpoint", "a_file.txt"], "a_file.txt", b""),
+    ("translate-input-missing", translate("--input", "missing.txt"), "no file at missing.txt", None),
+    ("translate-input-empty", translate("--input", "empty.txt"), "empty.txt is empty", None),
+    ("translate-input-not-utf8", translate("--input", "latin1.txt"), "line 2 of latin1.txt is not UTF-8", None),
+    ("translate-stdin-empty", translate(), "standard input is empty", b""),
+    ("translate-stdin-not-ids", translate(), "line 2: expected token ids", b"3 4\nhello\n"),
+    ("translate-stdin-id-out-of-range", translate(), "line 1: token id 99 is outside", b"3 99\n"),
+    ("evaluate-split-unknown", evaluate("--split", "dev"), "argument --split: invalid choice: 'dev'", None),
+    ("evaluate-source-alone", evaluate("--source", "de.txt"), "--source and --reference go together", None),
+    ("evaluate-split-and-source", evaluate("--split", "test", "--source", "de.txt", "--reference", "en.txt"),
+     "give either --split or --source and --reference", None),
+    ("evaluate-lines-differ", evaluate("--source", "de.txt", "--reference", "en.txt"),
+     "de.txt has 1 lines but en.txt has 2", None),
+    ("evaluate-source-a-folder", evaluate("--source", "a_folder", "--reference", "en.txt"), "a_folder is a folder",
+     None),
+    ("evaluate-missing-checkpoint", ["evaluate", "--checkpoint", "missing.pt"], "no checkpoint at missing.pt", None),
+    ("bench-section-unknown", bench("--only", "speed"), "argument --only: invalid choice: 'speed'", None),
+    ("bench-device-unknown", bench("--device", "nonsense"), "got 'nonsense'", None),
+    ("bench-cpu-clock-threads", bench("--device", "cpu", "--clock", "cpu", "--threads", "2"), "--clock cpu needs",
+     None),
+]
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory) -> Path:
+    """The cases' working folder: a copy-task checkpoint and the files and folders that the cases name."""
+    folder = tmp_path_factory.mktemp("cli_errors")
+    torch.manual_seed(0)
+    save_checkpoint(folder / "copy.pt", model=make_model(11, 11, N=1, d_model=16, d_ff=32, h=2),
+                    extra={"task": "copy"})
+    (folder / "a_file.txt").write_text("3 4 5\n")
+    (folder / "empty.txt").write_text("")
+    (folder / "latin1.txt").write_bytes("3 4\nä 5\n".encode("latin-1"))
+    (folder / "de.txt").write_text("Ein Hund.\n")
+    (folder / "en.txt").write_text("A dog.\nTwo dogs.\n")
+    (folder / "a_folder").mkdir()
+    (folder / "read_only").mkdir(mode=0o555)
+    listing = sorted(folder.rglob("*"))
+    yield folder
+    assert sorted(folder.rglob("*")) == listing, "a case wrote in its working folder"
+
+
+@pytest.fixture(scope="module")
+def outcomes(place) -> dict:
+    """{case: its finished process}: every case of the table, a few at a time, each in its own interpreter."""
+
+    def run(case):
+        _, argv, _, stdin = case
+        return subprocess.run([sys.executable, "-m", "annotated_transformer", *argv], cwd=place, input=stdin or b"",
+                              capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    cases = [case for case in CASES if case[0] not in SKIP]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(zip((case[0] for case in cases), pool.map(run, cases)))
+
+
+def check_refusal(status, stdout: str, stderr: str, expected: str) -> None:
+    assert status not in (0, None), stderr
+    assert "Traceback" not in stderr, stderr
+    assert expected in stderr, stderr
+    assert "error: " in stderr.strip().splitlines()[-1], stderr  # the last line says what is wrong
+    assert stdout == ""
+
+
+def test_the_table_is_broad() -> None:
+    assert len(CASES) >= 40 and len({case[0] for case in CASES + IN_PROCESS}) == len(CASES) + len(IN_PROCESS)
+    assert {case[1][0] for case in CASES if case[1]} >= {"train", "translate", "evaluate", "bench", "tangle"}
+
+
+@pytest.mark.parametrize("name, expected", [
+    pytest.param(name, expected, id=name, marks=[pytest.mark.skip(reason=SKIP[name])] if name in SKIP else [])
+    for name, _, expected, _ in CASES])
+def test_bad_input_is_refused_clearly(outcomes, name: str, expected: str) -> None:
+    result = outcomes[name]
+    check_refusal(result.returncode, result.stdout.decode("utf-8", "replace"), result.stderr.decode("utf-8", "replace"),
+                  expected)
+
+
+@pytest.mark.parametrize("argv, expected, stdin", [pytest.param(*case[1:], id=case[0]) for case in IN_PROCESS])
+def test_bad_input_is_refused_clearly_in_process(place, monkeypatch, capsys, argv, expected, stdin) -> None:
+    monkeypatch.chdir(place)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin or b""), encoding="utf-8"))
+    threads = torch.get_num_threads()
+    try:
+        status = main(argv)
+    except SystemExit as exit_:  # argparse's refusals, and the benchmark harness's
+        status = exit_.code
+        if isinstance(status, str):  # as the interpreter does with it
+            print(status, file=sys.stderr)
+            status = 1
+    finally:
+        torch.set_num_threads(threads)
+    captured = capsys.readouterr()
+    check_refusal(status, captured.out, captured.err, expected)
+
+
+def test_ctrl_c_stops_a_run_with_status_130_and_no_traceback(tmp_path) -> None:
+    """An interrupted training run says so in one line and exits with the shell's status for an interrupt."""
+    command = ["train", "--steps", "100000", "--profile", "quick", "--d-model", "16", "--layers", "1",
+               "--device", "cpu"]
+    process = subprocess.Popen([sys.executable, "-m", "annotated_transformer", *command],
+                               cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        process.stderr.read(1)  # the progress bar has appeared: training runs
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr.decode()
+    assert b"Traceback" not in stderr and b"interrupted\n" in stderr
