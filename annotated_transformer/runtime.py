@@ -61,8 +61,8 @@ def get_device(name: str | torch.device | None = None) -> torch.device:
         device = torch.device(name.strip().lower() if isinstance(name, str) else name)
     except (RuntimeError, TypeError) as error:
         raise ValueError(
-            f"AT_DEVICE (or name) must be a PyTorch device such as 'cpu', 'cuda', 'cuda:1', 'mps' or 'auto', "
-            f"got {name!r}"
+            f"a device (the argument, or AT_DEVICE) must be a PyTorch device such as 'cpu', 'cuda', 'cuda:1', "
+            f"'mps' or 'auto', got {name!r}"
         ) from error
     if device.type == "cuda":
         if not torch.cuda.is_available():

@@ -191,6 +191,12 @@ class Progress:
         if self.own:
             self.bar.close()
 
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.close()
+
 
 class NonFiniteLossError(ValueError, FloatingPointError):
     """Training met a loss (or gradient norm) that is not finite; the message names the step and the value."""
@@ -236,27 +242,26 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
     if checkpoint_dir is not None and distributed_context()[0] == 0:
         clean_leftovers(checkpoint_dir)
     net = for_training(model, device)
-    bar = Progress(progress, total=steps, initial=start)
-    started = time.perf_counter()
-    for step in range(start, steps):
-        group = [get_batch(step * accumulation_steps + j) for j in range(accumulation_steps)]
-        lr = optimizer.param_groups[0]["lr"]
-        loss, nll, tokens = accumulate_gradients(net, group, loss_fn, device=device, amp=amp)
-        norm = None if clip_norm is None else float(nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
-        check_finite(step + 1, loss, norm, checkpoint_dir)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
-        for key, value in zip(("step", "loss", "nll", "lr", "tokens"), (step + 1, loss, nll, lr, tokens)):
-            history[key].append(value)
-        bar.update(loss, lr, tokens, last=step + 1 == steps)
-        due = step + 1 == steps or (checkpoint_every and (step + 1) % checkpoint_every == 0)
-        if checkpoint_dir is not None and due:
-            write_checkpoint(checkpoint_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler,
-                             history=history, train_seconds=seconds_before + time.perf_counter() - started,
-                             keep_last=keep_last, extra=extra)
-    bar.close()
+    with Progress(progress, total=steps, initial=start) as bar:  # closed however the loop ends
+        started = time.perf_counter()
+        for step in range(start, steps):
+            group = [get_batch(step * accumulation_steps + j) for j in range(accumulation_steps)]
+            lr = optimizer.param_groups[0]["lr"]
+            loss, nll, tokens = accumulate_gradients(net, group, loss_fn, device=device, amp=amp)
+            norm = None if clip_norm is None else float(nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
+            check_finite(step + 1, loss, norm, checkpoint_dir)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+            for key, value in zip(("step", "loss", "nll", "lr", "tokens"), (step + 1, loss, nll, lr, tokens)):
+                history[key].append(value)
+            bar.update(loss, lr, tokens, last=step + 1 == steps)
+            due = step + 1 == steps or (checkpoint_every and (step + 1) % checkpoint_every == 0)
+            if checkpoint_dir is not None and due:
+                write_checkpoint(checkpoint_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler,
+                                 history=history, train_seconds=seconds_before + time.perf_counter() - started,
+                                 keep_last=keep_last, extra=extra)
     return history
 
 
