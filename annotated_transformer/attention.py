@@ -32,7 +32,7 @@ def attention(query, key, value, mask=None, dropout=None):
         query, key = query.float(), key.float()
     autocast = query.device.type in ("cpu", "cuda")        # switched off: it would cast the scores to 16 bits
     with torch.autocast(query.device.type, enabled=False) if autocast else contextlib.nullcontext():
-        scores = (query / math.sqrt(d_k)) @ key.transpose(-2, -1)
+        scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)
         if mask is not None:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         weights = scores.softmax(dim=-1).to(dtype)

@@ -67,8 +67,8 @@ def check_output(path, option: str, what: str, *, folder: bool = False) -> None:
     path = Path(path)
     if path.exists() and not (path.is_dir() if folder else path.is_file()):
         raise ValueError(f"{path} is {'a file, not a folder' if folder else 'not a file'} ({option})")
-    place = next((p for p in [path, *path.parents] if p.exists()), Path.cwd()) if folder else path.parent
-    reason = None if place.is_dir() else f"{place} is a file" if place.exists() else f"there is no folder {place}"
+    place = next((p for p in ([path] if folder else []) + list(path.parents) if p.exists()), Path.cwd())
+    reason = None if place.is_dir() else f"{place} is a file"  # missing folders are made when it is written
     try:
         if reason is None:
             tempfile.TemporaryFile(dir=place).close()

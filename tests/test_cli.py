@@ -220,8 +220,7 @@ def test_output_places_are_checked_before_a_command_starts(tmp_path: Path) -> No
     from annotated_transformer.cli import check_output
 
     (tmp_path / "a_file").write_text("")
-    refused = [(tmp_path / "missing" / "out.txt", False, "there is no folder"),
-               (tmp_path, False, "is not a file (--x)"),
+    refused = [(tmp_path, False, "is not a file (--x)"),
                (tmp_path / "a_file" / "out.txt", False, "a_file is a file"),
                (tmp_path / "a_file", True, "a_file is a file, not a folder (--x)"),
                (tmp_path / "a_file" / "run" / "deeper", True, "a_file is a file")]
@@ -233,7 +232,7 @@ def test_output_places_are_checked_before_a_command_starts(tmp_path: Path) -> No
             check_output(path, "--x", "the output", folder=folder)
         assert reason in str(error.value) and str(path) in str(error.value)
     for path, folder in [(tmp_path / "a_file", False), (tmp_path / "new.txt", False), (tmp_path, True),
-                         (tmp_path / "new" / "deeper", True)]:
+                         (tmp_path / "new" / "deeper", True), (tmp_path / "missing" / "out.txt", False)]:
         check_output(path, "--x", "the output", folder=folder)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # the checks made nothing
 
