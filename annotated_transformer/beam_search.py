@@ -286,3 +286,22 @@ def translate(model, tokenizer: Tokenizer, sentences: Sequence[str], *, beam_siz
     outputs = translate_ids(model, tokenizer, sources, beam_size=beam_size, length_penalty=length_penalty,
                             penalty=penalty, max_len=max_len, batch_size=batch_size)
     return [tokenizer.decode(ids) for ids in outputs]
+
+
+def translate_lines(model, tokenizer: Tokenizer, lines: Sequence[str], **options) -> list[str]:
+    """``translate`` for the lines of a file (options: those of ``translate_ids``): an empty line gives an empty
+    line, and every error names its line, counted from 1."""
+    numbers = [number for number, line in enumerate(lines, start=1) if line.strip()]
+    sources, limit = [], positional_limits(model)[0]
+    for number in numbers:
+        try:
+            sources.append(tokenizer.encode(lines[number - 1].strip()))
+        except ValueError as error:
+            raise ValueError(f"line {number}: {error}") from None
+        if limit is not None and len(sources[-1]) > limit:
+            raise ValueError(f"line {number} has {len(sources[-1])} tokens; this model reads at most {limit}: "
+                             "shorten or split it")
+    outputs = [""] * len(lines)
+    for number, ids in zip(numbers, translate_ids(model, tokenizer, sources, **options)):
+        outputs[number - 1] = tokenizer.decode(ids)
+    return outputs

@@ -269,6 +269,7 @@ def add_translate(subparsers) -> None:
 
 
 def run_translate(args) -> int:
+    from annotated_transformer.beam_search import translate_lines
     from annotated_transformer.checkpoints import model_from_checkpoint
     from annotated_transformer.data import read_lines
     from annotated_transformer.translation import checkpoint_tokenizer
@@ -294,24 +295,6 @@ def read_standard_input() -> list[str]:
         except UnicodeDecodeError as error:
             raise ValueError(f"line {number} of standard input is not UTF-8 text: {error.reason}") from None
     return lines
-
-
-def translate_lines(model, tokenizer, lines: list[str], **options) -> list[str]:
-    """``translate_ids`` of each line; an empty line gives "", one that cannot be encoded a ValueError naming it."""
-    from annotated_transformer.beam_search import translate_ids
-
-    numbers, sources = [], []
-    for number, line in enumerate(lines, start=1):
-        if line.strip():
-            try:
-                sources.append(tokenizer.encode(line.strip()))
-            except ValueError as error:
-                raise ValueError(f"line {number}: {error}") from None
-            numbers.append(number)
-    outputs = [""] * len(lines)
-    for number, ids in zip(numbers, translate_ids(model, tokenizer, sources, **options)):
-        outputs[number - 1] = tokenizer.decode(ids)
-    return outputs
 
 
 def add_evaluate(subparsers) -> None:

@@ -18,7 +18,8 @@ from annotated_transformer.beam_search import (
     translate,
     translate_ids,
 )
-from annotated_transformer.cli import main, translate_lines
+from annotated_transformer.beam_search import positional_limits, translate_lines
+from annotated_transformer.cli import main
 from annotated_transformer.decoder import DecoderCache
 from annotated_transformer.decoding import greedy_decode
 from annotated_transformer.masks import padding_mask, subsequent_mask
@@ -318,6 +319,18 @@ def test_translate_lines_greedy_matches_greedy_decode():
     assert out == [" ".join(str(t) for t in expected[0, 1:].tolist())]
     assert translate(model, TokenIds(11), ["3 9 4 7"], beam_size=1) == out
     assert translate_ids(model, TokenIds(11), [[1, 3, 9, 4, 7]], beam_size=1) == [expected[0, 1:].tolist()]
+
+
+def test_translate_lines_names_a_line_too_long_before_decoding(monkeypatch):
+    model = copy_model()
+    limit = positional_limits(model)[0]
+    assert limit == 5000  # make_model's default table
+    monkeypatch.setattr(model, "encode", lambda *args: pytest.fail("decoding started"))
+    long_line = " ".join(["3"] * limit)
+    tokens = len(TokenIds(11).encode(long_line))  # the end symbol included
+    assert tokens > limit
+    with pytest.raises(ValueError, match=rf"line 3 has {tokens} tokens; this model reads at most {limit}"):
+        translate_lines(model, TokenIds(11), ["3 4", "", long_line])
 
 
 def test_translate_lines_names_a_bad_line():
