@@ -182,9 +182,10 @@ def test_translate_ids_returns_pieces_without_special_symbols(run):
 
 
 def test_translate_command_interface_matches_translate(run, tmp_path, monkeypatch, capsys):
-    """The command line's translate_lines and `translate` command, with this chapter's tokenizer interface, found
-    by the checkpoint's task (no registration at run time)."""
-    from annotated_transformer.cli import main, translate_lines
+    """translate_lines and the `translate` command, with this chapter's tokenizer interface, found by the
+    checkpoint's task (no registration at run time)."""
+    from annotated_transformer.beam_search import translate_lines
+    from annotated_transformer.cli import main
 
     _, trained, folder, _ = run
     sentences = ["Ein Hund läuft über eine Wiese.", "Zwei Männer spielen Fußball.", "Eine Frau liest."]
