@@ -46,7 +46,10 @@ def write_atomically(path, write, *, mode: str = "wb") -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0o022)
+    os.umask(umask)
     try:
+        os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode that open() would
         with os.fdopen(handle, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as stream:
             write(stream)
             stream.flush()

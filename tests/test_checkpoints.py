@@ -485,3 +485,17 @@ def test_a_run_killed_with_sigkill_leaves_loadable_checkpoints_and_resumes(tmp_p
     if killed_saves:
         assert any(all(name in str(w.message) for name in killed_saves) for w in caught)  # and it said so
     assert load_checkpoint(latest_checkpoint(folder))["step"] == step + 2
+
+
+def test_written_files_get_the_mode_that_open_would_give(tmp_path):
+    import os
+    import stat
+
+    from annotated_transformer.checkpoints import write_atomically
+
+    umask = os.umask(0o027)
+    try:
+        path = write_atomically(tmp_path / "results.json", lambda stream: stream.write("{}"), mode="w")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640 and path.read_text() == "{}"
