@@ -343,22 +343,28 @@ class CopyConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("vocab", "seq_len", "N", "d_model", "d_ff", "h", "steps", "batch_size",
-                     "accumulation_steps", "warmup"):
-            check_size(name, getattr(self, name))
+        check_settings(self, positive=("vocab", "seq_len", "N", "d_model", "d_ff", "h", "steps", "batch_size",
+                                       "accumulation_steps", "warmup"), probabilities=("dropout", "smoothing"))
         if self.vocab < 3 or self.seq_len < 2:
             raise ValueError(f"the copy task needs vocab >= 3 and seq_len >= 2, got {self.vocab}, {self.seq_len}")
-        if self.d_model % self.h:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by h ({self.h})")
-        for name in ("dropout", "smoothing"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not (math.isfinite(self.factor) and self.factor > 0):
-            raise ValueError(f"factor must be a positive number, got {self.factor}")
-        if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
-            raise ValueError(f"clip_norm must be a positive number or None, got {self.clip_norm}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+
+
+def check_settings(config, *, positive, probabilities) -> None:
+    """The checks every task's configuration shares, each error naming its setting: positive sizes, probabilities
+    in [0, 1), ``d_model`` divisible by ``h``, a positive finite ``factor`` and ``clip_norm`` (or None), a seed."""
+    for name in positive:
+        check_size(name, getattr(config, name))
+    for name in probabilities:
+        if not 0.0 <= getattr(config, name) < 1.0:
+            raise ValueError(f"{name} must lie in [0, 1), got {getattr(config, name)!r}")
+    if config.d_model % config.h:
+        raise ValueError(f"d_model ({config.d_model}) must be divisible by h ({config.h})")
+    for name in ("factor", "clip_norm"):
+        value = getattr(config, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {config.seed!r}")
 
 
 COPY_PROFILES = {
