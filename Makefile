@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 # Chapters and tests run JOBS at a time; one math thread each keeps them from fighting over the cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: all setup book html test unit chapters site tangle check bench clean
+.PHONY: all setup lab book html test unit chapters site tangle check bench clean
 
 all: test
 
@@ -26,6 +26,19 @@ $(STAMP): requirements.lock pyproject.toml
 
 setup: $(STAMP)
 
+# JupyterLab with jupytext in the same environment (requirements-lab.lock), set to open the chapters' Markdown as
+# notebooks; `make lab` opens the book's first chapter.
+LAB_STAMP := $(VENV)/.lab-installed
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
+$(LAB_STAMP): $(STAMP) requirements-lab.lock scripts/jupyterlab_overrides.json
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-lab.lock
+	mkdir -p $(LAB_SETTINGS)
+	cp scripts/jupyterlab_overrides.json $(LAB_SETTINGS)/overrides.json
+	touch $@
+
+lab: $(LAB_STAMP)
+	$(VENV)/bin/jupyter lab book/intro.md
+
 tangle: $(STAMP)
 	$(PY) -m annotated_transformer.tangle
 
@@ -33,9 +46,12 @@ check: $(STAMP)
 	$(PY) -m annotated_transformer.tangle --check
 
 # Every chapter executed (JOBS at a time, into a fresh cache), warnings are errors, a failing cell fails the build.
+# The chapters are also written as notebooks (book/*.ipynb, git-ignored) for the launch and download buttons.
 html: $(STAMP)
+	$(PY) scripts/notebooks.py write
 	$(PY) scripts/execute_chapters.py
 	$(VENV)/bin/jupyter-book build . --all -W -n --keep-going
+	$(PY) scripts/notebooks.py downloads
 
 book: check html
 	@echo "The book is in _build/html/index.html"

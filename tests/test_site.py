@@ -34,6 +34,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+import yaml
 
 from annotated_transformer.tangle import chapter_paths
 
@@ -217,6 +218,21 @@ async function inspect(page) {
     // MathJax shows an undefined macro as its name in red instead of failing.
     result.undefined_macros = Array.from(doc.querySelectorAll('mjx-assistive-mml mtext[mathcolor="red"]'))
       .map(element => element.textContent).filter(text => text.startsWith("\\\\"));
+    // The launch (Binder, Colab) and download (.ipynb, .md) buttons in the page's header, and whether each
+    // download link loads.
+    result.buttons = [];
+    for (const a of doc.querySelectorAll(".dropdown-launch-buttons a, .dropdown-download-buttons a")) {
+      const button = {text: a.textContent.trim(), href: a.getAttribute("href")};
+      if (a.closest(".dropdown-download-buttons") && !button.href.startsWith("javascript")) {
+        try {
+          const response = await fetch(new URL(button.href, doc.baseURI));
+          button.status = response.status;
+        } catch (error) {
+          button.status = String(error);
+        }
+      }
+      result.buttons.push(button);
+    }
   } catch (error) {
     result.error = String(error);
   }
@@ -295,6 +311,10 @@ def serve(directory: Path, harness: str):
 
 
 def find_chromium() -> str | None:
+    """Chromium, or the browser named by $AT_CHROMIUM (GitHub's runners have Google Chrome)."""
+    named = os.environ.get("AT_CHROMIUM")
+    if named:
+        return shutil.which(named)
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -463,6 +483,80 @@ def test_page_in_browser(page: str, site: Path, browser_results: dict[str, dict]
     expects_math = source_has_math(ROOT / Path(page).with_suffix(".md"))
     problems = browser_problems(page, browser_results[page], expects_math)
     assert problems == [], "\n".join(problems)
+
+
+def is_notebook(page: str) -> bool:
+    """Whether a page's chapter is a notebook (has code); the references page, say, is not."""
+    return (ROOT / Path(page).with_suffix(".md")).read_text(encoding="utf-8").startswith("---")
+
+
+def expected_buttons(page: str) -> dict[str, str]:
+    """The launch and download links a chapter's page must have, derived from `_config.yml`'s repository."""
+    from scripts.notebooks import repository
+
+    repo = repository(ROOT)
+    config = yaml.safe_load((ROOT / "_config.yml").read_text(encoding="utf-8"))
+    launch = config["launch_buttons"]
+    chapter = Path(page).with_suffix("").as_posix()           # book/attention
+    up = "../" * (len(Path(page).parts) - 1)
+    return {
+        "Binder": f"{launch['binderhub_url']}/v2/gh/{repo['owner']}/{repo['name']}/{repo['branch']}"
+                            f"?urlpath=lab/tree/{chapter}.ipynb",
+        "Colab": f"{launch['colab_url']}/github/{repo['owner']}/{repo['name']}/blob/{repo['branch']}/"
+                           f"{chapter}.ipynb",
+        ".ipynb": f"{up}_sources/{chapter}.ipynb",
+        ".md": f"{up}_sources/{chapter}.md",
+    }
+
+
+def button_problems(page: str, result: dict) -> list[str]:
+    """What is wrong with the launch and download buttons the harness found on one page."""
+    if "error" in result:
+        return [f"{page}: {result['error']}"]
+    found = {button["text"]: button for button in result["buttons"]}
+    problems = []
+    for text, href in expected_buttons(page).items():
+        button = found.get(text)
+        if button is None:
+            problems.append(f"{page}: no {text!r} button")
+        elif button["href"] != href:
+            problems.append(f"{page}: the {text!r} button points at {button['href']!r}, expected {href!r}")
+        elif text.startswith(".") and button.get("status") != 200:
+            problems.append(f"{page}: the {text!r} download ({href}) does not load: {button.get('status')}")
+    return problems
+
+
+@pytest.mark.site
+@pytest.mark.parametrize("page", PAGES)
+def test_launch_and_download_buttons(page: str, site: Path, browser_results: dict[str, dict]) -> None:
+    """Every chapter opens on Binder and Colab (its own notebook) and downloads as .ipynb and .md."""
+    if not is_notebook(page):
+        pytest.skip(f"{page} is not a notebook")
+    if not (site / page).is_file():
+        pytest.fail(f"{page} was not built", pytrace=False)
+    problems = button_problems(page, browser_results[page])
+    assert problems == [], "\n".join(problems)
+
+
+@pytest.mark.site
+@pytest.mark.parametrize("page", PAGES)
+def test_notebooks_start_with_the_install_cell(page: str, site: Path) -> None:
+    """The notebook Colab opens and the downloadable one: the chapter's cells, after one install cell."""
+    if not is_notebook(page):
+        pytest.skip(f"{page} is not a notebook")
+    import jupytext
+    import nbformat
+
+    from scripts.notebooks import INSTALL_TAG
+
+    chapter = ROOT / Path(page).with_suffix(".md")
+    code = [cell.source for cell in jupytext.read(chapter).cells if cell.cell_type == "code"]
+    for path in (chapter.with_suffix(".ipynb"), site / "_sources" / Path(page).with_suffix(".ipynb")):
+        if not path.is_file():
+            pytest.fail(f"{path.relative_to(ROOT)} is missing (make html writes it)", pytrace=False)
+        cells = [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
+        assert INSTALL_TAG in cells[0].metadata.get("tags", []), f"{path}: the first cell is not the install cell"
+        assert [cell.source for cell in cells[1:]] == code, f"{path}: its cells are not the chapter's"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,172 @@
+"""The GitHub workflows, the repository's address and the notebooks that the launch buttons open.
+
+- Both workflows pass actionlint (with shellcheck on their scripts), offline, so a broken workflow fails here.
+- Their commands are the README's: the test workflow runs `make test`, the book workflow `make book`.
+- The repository's address is written once, in `_config.yml`; the README's link to the published book derives
+  from it, and no other file names it.
+- The install cell that starts every generated notebook really installs the package where it is missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scripts.notebooks import INSTALL_CELL, RepositoryError, repository
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOWS = ROOT / ".github" / "workflows"
+
+
+def actionlint() -> str:
+    path = shutil.which("actionlint", path=str(Path(sys.executable).parent)) or shutil.which("actionlint")
+    if path is None:
+        pytest.fail("actionlint is not installed: it comes with the test dependencies (make setup)", pytrace=False)
+    return path
+
+
+def test_the_workflows_pass_actionlint():
+    files = sorted(WORKFLOWS.glob("*.yml"))
+    assert [path.name for path in files] == ["book.yml", "test.yml"]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    done = subprocess.run([actionlint(), "-verbose", *map(str, files)], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # shellcheck must be found, or actionlint silently skips the scripts in `run:` steps.
+    assert 'Rule "shellcheck" was disabled' not in done.stderr, done.stderr
+
+
+def test_actionlint_catches_a_broken_workflow(tmp_path):
+    broken = tmp_path / ".github" / "workflows" / "broken.yml"
+    broken.parent.mkdir(parents=True)
+    broken.write_text(
+        "on: push\njobs:\n  test:\n    runs-on: ubuntu-24.04\n    steps:\n"
+        "      - uses: actions/checkout@v4\n      - run: echo ${{ matrix.missing }}\n"
+    )
+    done = subprocess.run([actionlint(), str(broken)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "matrix" in done.stdout
+
+
+def steps(workflow: str) -> list[dict]:
+    jobs = yaml.safe_load((WORKFLOWS / workflow).read_text(encoding="utf-8"))["jobs"]
+    return [step for job in jobs.values() for step in job.get("steps", [])]
+
+
+def readme_commands() -> list[str]:
+    """The `make ...` commands of the README's "Two commands" block."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    return re.findall(r"^(make \w+)", readme, flags=re.MULTILINE)
+
+
+def test_the_workflows_run_the_readmes_commands():
+    commands = readme_commands()
+    assert "make test" in commands and "make book" in commands
+    runs = {workflow: [step.get("run", "") for step in steps(workflow)] for workflow in ("test.yml", "book.yml")}
+    assert any(run.startswith("make test") for run in runs["test.yml"]), runs["test.yml"]
+    assert any(run.startswith("make book") for run in runs["book.yml"]), runs["book.yml"]
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert re.search(r"^make test$", ci, flags=re.MULTILINE), "`.ci/run` no longer calls `make test`"
+
+
+def test_the_test_workflow_covers_three_pythons_and_caches_pip():
+    job = yaml.safe_load((WORKFLOWS / "test.yml").read_text(encoding="utf-8"))["jobs"]["test"]
+    assert job["strategy"]["matrix"]["python-version"] == ["3.11", "3.12", "3.13"]
+    setup = next(step for step in job["steps"] if step.get("uses", "").startswith("actions/setup-python"))
+    assert setup["with"]["cache"] == "pip"
+
+
+def test_the_book_workflow_deploys_with_the_pages_actions():
+    uses = [step.get("uses", "").split("@")[0] for step in steps("book.yml")]
+    for action in ("actions/configure-pages", "actions/upload-pages-artifact", "actions/deploy-pages"):
+        assert action in uses
+
+
+def test_the_readme_links_the_published_book_from_the_repository_setting():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert repository(ROOT)["pages"] in readme
+
+
+def test_the_repository_address_is_written_once():
+    """Only `_config.yml` names the repository; the README quotes the derived addresses."""
+    repo = repository(ROOT)
+    address = f"github.com/{repo['owner']}/{repo['name']}"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    named = []
+    for name in tracked.stdout.splitlines():
+        path = ROOT / name
+        if name in ("_config.yml", "README.md") or not path.is_file() or path.suffix in (".json", ".png"):
+            continue
+        if address.lower() in path.read_text(encoding="utf-8", errors="replace").lower():
+            named.append(name)
+    assert named == [], f"these files write the repository's address instead of reading _config.yml: {named}"
+
+
+@pytest.mark.parametrize("url", ["", "https://gitlab.com/a/b", "http://github.com/a/b", "https://github.com/a"])
+def test_a_bad_repository_setting_is_named(tmp_path, url):
+    (tmp_path / "_config.yml").write_text(yaml.safe_dump({"repository": {"url": url, "branch": "notebooks"}}))
+    with pytest.raises(RepositoryError, match="repository.url"):
+        repository(tmp_path)
+
+
+def test_the_lab_settings_open_markdown_as_notebooks():
+    settings = json.loads((ROOT / "scripts" / "jupyterlab_overrides.json").read_text(encoding="utf-8"))
+    viewers = settings["@jupyterlab/docmanager-extension:plugin"]["defaultViewers"]
+    assert viewers == {"markdown": "Jupytext Notebook", "myst": "Jupytext Notebook"}
+    lab_lock = (ROOT / "requirements-lab.lock").read_text(encoding="utf-8").splitlines()
+    assert "-r requirements.lock" in lab_lock
+    assert any(line.startswith("jupyterlab==") for line in lab_lock)
+
+
+@pytest.mark.slow
+def test_the_install_cell_installs_the_package_where_it_is_missing(tmp_path):
+    """The first cell of a notebook opened in Colab: clone, install, move into book/; and nothing when installed.
+
+    It runs in a fresh virtual environment without the package (pip is told not to fetch the dependencies: the
+    package itself imports no torch), against a clone of this repository instead of GitHub.
+    """
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    environment = tmp_path / "env"
+    venv.EnvBuilder(with_pip=True).create(environment)
+    python = environment / "bin" / "python"
+    work = tmp_path / "work"
+    work.mkdir()
+    cell = INSTALL_CELL.format(url=ROOT.as_uri(), folder="book-clone")
+    program = cell + "\nimport annotated_transformer\nprint(annotated_transformer.__file__)\nprint(os.getcwd())\n"
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(PIP_NO_DEPS="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    first = subprocess.run([str(python), "-c", program], cwd=work, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stderr
+    module, cwd = first.stdout.split()[-2:]
+    assert Path(module).is_relative_to(environment), module           # installed into the fresh environment
+    assert Path(cwd) == work / "book-clone" / "book"
+    assert (Path(cwd) / "intro.md").is_file()
+    # Again, in a new kernel: the package is there, so nothing is installed (pip would need the network and an
+    # index; here it gets neither); the cell only moves into book/.
+    env.update(PIP_INDEX_URL="http://127.0.0.1:9/", PIP_NO_INDEX="1")
+    second = subprocess.run([str(python), "-c", program], cwd=work, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert Path(second.stdout.split()[-1]) == work / "book-clone" / "book"
+
+
+def test_the_readmes_figures_come_from_the_record():
+    """The README quotes the laptop run's beam BLEU and training time: they must be the record's."""
+    record = json.loads((ROOT / "book" / "results" / "multi30k-laptop.json").read_text(encoding="utf-8"))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    claim = re.search(r"([\d.]+) BLEU on Multi30k test2016 with beam search after (\d+) minutes", readme)
+    assert claim, "the README no longer quotes the laptop run"
+    assert float(claim.group(1)) == round(record["test"]["beam"]["bleu"], 1)
+    assert int(claim.group(2)) == round(record["train_seconds"] / 60)
+    assert (ROOT / "docs" / "translator.png").is_file()
