@@ -27,7 +27,7 @@ $(STAMP): requirements.lock pyproject.toml
 setup: $(STAMP)
 
 # JupyterLab with jupytext in the same environment (requirements-lab.lock), set to open the chapters' Markdown as
-# notebooks; `make lab` opens the book's first chapter.
+# notebooks; `make lab` opens the book's first chapter (LAB_ARGS="--no-browser --port 8890", say, adds options).
 LAB_STAMP := $(VENV)/.lab-installed
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
 $(LAB_STAMP): $(STAMP) requirements-lab.lock scripts/jupyterlab_overrides.json
@@ -37,7 +37,7 @@ $(LAB_STAMP): $(STAMP) requirements-lab.lock scripts/jupyterlab_overrides.json
 	touch $@
 
 lab: $(LAB_STAMP)
-	$(VENV)/bin/jupyter lab book/intro.md
+	$(VENV)/bin/jupyter lab $(LAB_ARGS) book/intro.md
 
 tangle: $(STAMP)
 	$(PY) -m annotated_transformer.tangle
