@@ -298,7 +298,10 @@ def test_ctrl_c_stops_a_run_with_status_130_and_no_traceback(tmp_path) -> None:
                "--device", "cpu"]
     process = subprocess.Popen([sys.executable, "-m", "annotated_transformer", *command],
                                cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               # A shell's background job (`make test &`) ignores SIGINT, and a child inherits that:
+                               # give the run the default disposition, as a terminal would.
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         process.stderr.read(1)  # the progress bar has appeared: training runs
         process.send_signal(signal.SIGINT)

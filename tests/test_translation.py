@@ -366,7 +366,7 @@ def test_python_dash_m_where_wired(environment, tmp_path, capsys):
 
 
 def test_the_recipe_reads_its_source(environment, tmp_path):
-    """The collapse of the 2022 recipe on Multi30k: a model that learns the English side alone and ignores the
+    """The collapse of post-norm with Xavier embeddings on Multi30k: a model that learns the English side alone and ignores the
     German. Its validation loss is the same whether each target gets its own source or its neighbour's. The
     quick profile's recipe, trained for a few seconds, must already do clearly better with the true sources;
     and the check fails for a model that cannot read its source (cross-attention outputs cut off)."""
