@@ -85,7 +85,8 @@ class MultiHeadedAttention(nn.Module):
         self.attention_weights = None
 
     def split_heads(self, x):
-        """(B, L, d_model) -> (B, h, L, d_k): view the last axis as h heads, then move the heads forward."""
+        """(B, T, d_model) -> (B, h, T, d_k) (keys and values: S for T): view the last axis as h heads, then move
+        the heads forward."""
         batch, length, _ = x.shape
         return x.view(batch, length, self.h, self.d_k).transpose(1, 2)
 
@@ -118,7 +119,7 @@ class MultiHeadedAttention(nn.Module):
 
 @dataclass
 class KVCache:
-    """The keys and values of earlier positions, (B, h, L, d_k), kept between decoding steps.
+    """The keys and values of earlier positions, (B, h, S, d_k), kept between decoding steps.
 
     ``static=False`` (self-attention): ``update`` appends the new positions. ``static=True`` (cross-attention):
     the first ``update`` stores the keys and values and later calls of ``MultiHeadedAttention`` reuse them.
