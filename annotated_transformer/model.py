@@ -21,7 +21,7 @@ EMBEDDING_INITS = ("normal", "xavier")
 
 
 class Embed(nn.Module):
-    """Token embedding (scaled by sqrt(d_model)) plus positional encoding: (B, L) ids -> (B, L, d_model).
+    """Token embedding (scaled by sqrt(d_model)) plus positional encoding: (B, T) ids -> (B, T, d_model).
 
     ``offset`` is the position of ``tokens[:, 0]`` in the sequence (non-zero when decoding with a cache).
     """
@@ -73,8 +73,8 @@ def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d
 
     ``norm_first=False`` is the paper's post-norm, ``True`` pre-norm. ``share_embeddings=True`` ties the source
     embedding, the target embedding and the generator's weight (section 3.4); it needs src_vocab == tgt_vocab.
-    Weight matrices are Xavier-initialised; the embedding tables are drawn from N(0, 1/d_model)
-    (``embedding_init="normal"``) or, like every other matrix, Xavier (``"xavier"``, the 2022 code's choice).
+    Weight matrices are Xavier-initialised; the embedding tables are then redrawn from N(0, 1/d_model)
+    (``embedding_init="normal"``, the default) or left Xavier like every other matrix (``"xavier"``).
     ``dropout`` is the paper's residual dropout; ``attention_dropout`` (on the attention weights) and
     ``activation_dropout`` (inside the feed-forward network) default to it. The arguments are kept in
     ``model.config``.
