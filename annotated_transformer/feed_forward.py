@@ -12,7 +12,8 @@ class PositionwiseFeedForward(nn.Module):
     """The position-wise feed-forward network of section 3.3, equation 2: ``w_2(dropout(relu(w_1(x))))``.
 
     The same two linear maps act on every position separately. Dropout acts on the hidden activations (the paper
-    does not say where; this follows the 2022 Annotated Transformer and ``nn.TransformerEncoderLayer``).
+    does not say so; the authors' tensor2tensor does it, as ``relu_dropout``, and so does
+    ``nn.TransformerEncoderLayer``).
     """
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1):
