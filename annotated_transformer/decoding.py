@@ -17,10 +17,10 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol, end_symbol=None, 
                   return_log_probs=False):
     """Greedy decoding of a batch: the most probable token at every step.
 
-    Returns the tokens, shape (B, L) with L <= max_len, starting with ``start_symbol``. A sentence that has
+    Returns the tokens, shape (B, T) with T <= max_len, starting with ``start_symbol``. A sentence that has
     produced ``end_symbol`` is finished: its later positions hold ``end_symbol`` too, and decoding stops when
     every sentence has finished. With ``return_log_probs=True`` also returns the log-probability of each chosen
-    token, shape (B, L - 1) (0 after a sentence has finished).
+    token, shape (B, T - 1) (0 after a sentence has finished).
     """
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")

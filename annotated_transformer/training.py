@@ -72,7 +72,7 @@ def token_batches(
     """Group examples into batches of at most ``max_tokens`` padded tokens per side.
 
     ``lengths`` holds one length per example, or one ``(source, target)`` pair of lengths. A batch of
-    ``n`` examples whose longest member has length ``L`` costs ``n * L`` padded tokens on each side.
+    ``b`` examples whose longest member has length ``n`` costs ``b * n`` padded tokens on each side.
     With ``bucket=True`` examples of similar length go together (the paper's "batched together by
     approximate sequence length"), which keeps padding small; ``bucket=False`` fills batches in random
     order, for comparison. Returns lists of example indices; with ``shuffle`` the order of the batches is
