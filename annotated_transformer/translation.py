@@ -43,7 +43,7 @@ class TranslationConfig:
     d_ff: int
     h: int                     # attention heads
     dropout: float             # the paper's P_drop: sublayer outputs, embeddings plus positions
-    attention_dropout: float   # on the attention weights (the 2022 code's, not the paper's)
+    attention_dropout: float   # on the attention weights (not in the paper; nn.Transformer's layers have it)
     activation_dropout: float  # inside the feed-forward networks (likewise)
     norm_first: bool           # pre-norm (True) or the paper's post-norm (False)
     embedding_init: str        # "normal": N(0, 1/d_model), or "xavier"
@@ -109,7 +109,7 @@ PROFILES = {
                      steps=350, warmup=60, factor=0.35, checkpoint_every=25, average=3, eval_every=50,
                      valid_limit=300, sweep=False, profile="quick"),
     "laptop": LAPTOP,
-    # the base model's width, more dropout (the 2022 code's three kinds), bigger batches, for one GPU
+    # the base model's width, more dropout (all three kinds), bigger batches, for one GPU
     "full": replace(LAPTOP, d_model=512, d_ff=2048, h=8, dropout=0.3, attention_dropout=0.3, activation_dropout=0.3,
                     max_tokens=8192, steps=5000, warmup=1000, checkpoint_every=250, eval_every=500, profile="full"),
 }
