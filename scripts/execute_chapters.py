@@ -17,7 +17,7 @@ from pathlib import Path
 from jupyter_cache import get_cache
 from jupyter_cache.executors import load_executor
 
-from annotated_transformer.tangle import chapter_paths
+from notebooks import chapters  # scripts/notebooks.py: the chapters that are notebooks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,8 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_path = (root / args.cache).resolve()
     shutil.rmtree(cache_path, ignore_errors=True)
     cache = get_cache(cache_path)
-    chapters = [path for path in chapter_paths(root) if path.read_text(encoding="utf-8").startswith("---")]
-    for path in chapters:
+    for path in chapters(root):
         cache.add_nb_to_project(str(path), read_data={"name": "jupytext", "type": "plugin"})
     executor = load_executor("local-parallel", cache)
     result = executor.run_and_cache(timeout=args.timeout)

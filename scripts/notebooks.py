@@ -83,6 +83,7 @@ def with_install_cell(notebook, root: Path = ROOT):
 
 
 def chapters(root: Path) -> list[Path]:
+    """The chapters of `_toc.yml` that are notebooks (front matter and code); the references page is not."""
     from annotated_transformer.tangle import chapter_paths
 
     return [path for path in chapter_paths(root) if path.read_text(encoding="utf-8").startswith("---")]

@@ -487,7 +487,9 @@ def test_page_in_browser(page: str, site: Path, browser_results: dict[str, dict]
 
 def is_notebook(page: str) -> bool:
     """Whether a page's chapter is a notebook (has code); the references page, say, is not."""
-    return (ROOT / Path(page).with_suffix(".md")).read_text(encoding="utf-8").startswith("---")
+    from scripts.notebooks import chapters
+
+    return ROOT / Path(page).with_suffix(".md") in chapters(ROOT)
 
 
 def expected_buttons(page: str) -> dict[str, str]:
