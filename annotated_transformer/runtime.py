@@ -144,3 +144,20 @@ def check_module(name: str, value) -> None:
     """Raise a TypeError unless ``value`` is an ``nn.Module``."""
     if not isinstance(value, torch.nn.Module):
         raise TypeError(f"{name} must be an nn.Module, got {type(value).__name__}")
+
+
+def glue(name: str, value, display: bool = False) -> None:
+    """Put ``value`` into the chapter's text where it says {glue:text}`name`.
+
+    In a Jupyter kernel with myst-nb installed (the book build) this is myst-nb's
+    ``glue``. Elsewhere (Colab, a plain script) it prints ``name = value``.
+    """
+    try:
+        from IPython import get_ipython
+        from myst_nb import glue as glue_in_page
+    except ImportError:  # not a build: myst-nb (or IPython) is not installed
+        glue_in_page = get_ipython = None
+    if glue_in_page is not None and hasattr(get_ipython(), "kernel"):
+        glue_in_page(name, value, display=display)
+    else:
+        print(f"{name} = {value}")
