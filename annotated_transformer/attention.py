@@ -20,9 +20,9 @@ def attention(query, key, value, mask=None, dropout=None):
 
     query (..., T, d_k), key (..., S, d_k), value (..., S, d_v). ``mask`` is a bool tensor that broadcasts to
     (..., T, S); True means "may attend". Masked scores are filled with the most negative finite value of the
-    dtype; a query that may attend to nothing gets zero weights and a zero output (as in
-    ``F.scaled_dot_product_attention``). ``dropout`` (a module) is applied to the weights. In float16 and
-    bfloat16 the scores and the softmax are computed in float32, as the fused kernels do (and autocast never
+    dtype; a query that may attend to nothing gets zero weights and a zero output (as
+    ``F.scaled_dot_product_attention`` does on a CPU). ``dropout`` (a module) is applied
+    to the weights. In float16 and bfloat16 the scores and the softmax are computed in float32, as the fused kernels do (and autocast never
     lowers them), so large scores do not overflow; the weights come back in the input's dtype. Returns (output (..., T, d_v), weights (..., T, S)).
     """
     if mask is not None and mask.dtype != torch.bool:
@@ -114,6 +114,8 @@ class MultiHeadedAttention(nn.Module):
         else:
             p = self.dropout.p if self.training else 0.0
             x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            if mask is not None:  # not every kernel gives zeros for a query with no key
+                x = x.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
         return self.w_o(x.transpose(1, 2).reshape(batch, length, self.d_model))
 
 

@@ -546,21 +546,58 @@ def test_cuda_fast_path_equals_explicit_path(dtype, tol, mask_name, full_float32
     torch.testing.assert_close(explicit.double().cpu(), expected, atol=tol, rtol=tol)
 
 
+def fully_masked_inputs(device="cpu", dtype=torch.float32):
+    """A module, inputs and a (2, 16, 16) causal mask whose query 5 of example 1 may attend to nothing."""
+    torch.manual_seed(0)
+    mha = MultiHeadedAttention(8, 64, dropout=0.0).eval().to(device, dtype)
+    x = torch.randn(2, 16, 64, device=device, dtype=dtype)
+    mask = torch.ones(2, 16, 16, dtype=torch.bool, device=device).tril()
+    mask[1, 5] = False
+    return mha, x, mask
+
+
+def test_fast_path_zeroes_fully_masked_rows_whatever_the_kernel_returns(monkeypatch):
+    """On an H100, in float16 and bfloat16, F.scaled_dot_product_attention returned the plain average of the
+    values for a fully masked row (the CPU kernels return zeros). Stand in such a kernel: the module's fast
+    path must still give zeros there, and the kernel's output everywhere else."""
+    kernel = F.scaled_dot_product_attention
+
+    def averaging_kernel(q, k, v, attn_mask=None, dropout_p=0.0):
+        out = kernel(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+        empty = ~attn_mask.any(dim=-1, keepdim=True)
+        return torch.where(empty, v.mean(dim=-2, keepdim=True).expand_as(out), out)
+
+    mha, x, mask = fully_masked_inputs()
+    with torch.no_grad():
+        expected = mha(x, x, x, mask)
+        monkeypatch.setattr(F, "scaled_dot_product_attention", averaging_kernel)
+        out = mha(x, x, x, mask)
+    heads = (out - mha.w_o.bias)[1, 5]                  # a zero row of heads gives w_o(0) = the bias
+    assert (heads == 0).all()
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cuda_fully_masked_rows_give_zeros(dtype, full_float32_precision):
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 8, 16, 64, device="cuda", dtype=dtype) for _ in range(3))
-    mask = torch.ones(2, 1, 16, 16, dtype=torch.bool, device="cuda").tril()
-    mask[1, 0, 5] = False
-    fast = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    explicit, _ = attention(q, k, v, mask)
-    expected, _ = attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask.cpu())
-    for out in (fast, explicit):
+    """Both paths of the module, and `attention`, give zeros for a fully masked row on CUDA in every dtype."""
+    mha, x, mask = fully_masked_inputs("cuda", dtype)
+    q = k = v = mha.split_heads(x)
+    explicit, _ = attention(q, k, v, mask.unsqueeze(1))
+    expected, _ = attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask.unsqueeze(1).cpu())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.isfinite(explicit).all() and (explicit[1, :, 5] == 0).all()
+    torch.testing.assert_close(explicit.double().cpu(), expected, atol=tol, rtol=tol)
+    outputs = []
+    with torch.no_grad():
+        for record in (False, True):
+            mha.record_attention = record
+            outputs.append(mha(x, x, x, mask))
+    reference = mha.double().cpu()(x.double().cpu(), x.double().cpu(), x.double().cpu(), mask.cpu())
+    for out in outputs:
         assert torch.isfinite(out).all()
-        assert (out[1, :, 5] == 0).all()
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out.double().cpu(), expected, atol=tol, rtol=tol)
+        assert ((out - mha.w_o.bias.to(out))[1, 5] == 0).all()
+        torch.testing.assert_close(out.double().cpu(), reference, atol=tol, rtol=tol)
 
 
 @pytest.mark.cuda
