@@ -1,0 +1,63 @@
+"""Every chapter runs where a reader runs it, not only inside the book build (DESIGN.md, "Profiles and devices").
+
+A plain GPU machine, Colab or a downloaded notebook has the package and what it depends on, but not the notebook
+build tools (myst-nb, jupytext, nbformat, nbval, ...). Here each chapter runs as a plain Python script
+(`scripts/chapter_scripts.py`) with those tools made unimportable (`scripts/no_build_tools/sitecustomize.py`), in
+the profile of this run (CI: quick); and the CUDA tests must collect in the same setting, as
+`scripts/record_gpu.sh checks` runs them on a GPU machine.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from chapter_scripts import NO_BUILD_TOOLS, chapter_env, run_one, write  # noqa: E402
+
+from annotated_transformer.tangle import chapter_paths  # noqa: E402
+
+CHAPTERS = [path.stem for path in chapter_paths(ROOT) if path.read_text(encoding="utf-8").startswith("---")]
+
+
+def test_the_build_tools_are_unimportable_in_such_a_run():
+    names = ("myst_nb", "jupytext", "nbformat", "nbval")
+    code = ("import importlib\n"
+            f"for name in {names!r}:\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "    except ImportError:\n"
+            "        print(name, 'missing')\n"
+            "import torch, annotated_transformer.runtime\n")
+    done = subprocess.run([sys.executable, "-c", code], env=chapter_env(without_build_tools=True),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:-1] == [f"{name} missing" for name in names]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_chapter_runs_as_plain_python_without_the_build_tools(chapter, tmp_path):
+    pytest.importorskip("jupytext")  # writing the script needs it; running it does not
+    [script] = write(tmp_path, [chapter])
+    row = run_one(script, timeout=int(os.environ.get("AT_CHAPTER_TIMEOUT", "900")),
+                  env=chapter_env(without_build_tools=True))
+    assert row["status"] == "passed", f"{chapter}: {row['status']}\n{row['tail']}"
+
+
+def test_the_cuda_tests_collect_without_the_build_tools():
+    """`pytest -m cuda` on a machine without the notebook tools (nbval, whose pytest plugin imports nbformat,
+    is then not installed either: `-p no:nbval` stands for that)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(NO_BUILD_TOOLS),
+                                                                      os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "pytest", "tests", "-m", "cuda", "--collect-only", "-q",
+                           "-p", "no:nbval", "-p", "no:cacheprovider"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert "error" not in summary and " collected" in summary, summary
+    assert int(summary.split("/")[0]) >= 30, summary  # the CUDA tests are there, not skipped at collection
