@@ -36,8 +36,10 @@ $(LAB_STAMP): $(STAMP) requirements-lab.lock scripts/jupyterlab_overrides.json
 	cp scripts/jupyterlab_overrides.json $(LAB_SETTINGS)/overrides.json
 	touch $@
 
+# Jupyter refuses to run as root without --allow-root (a container, a cloud machine): pass it only there.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: $(LAB_STAMP)
-	$(VENV)/bin/jupyter lab $(LAB_ARGS) book/intro.md
+	$(VENV)/bin/jupyter lab $(ALLOW_ROOT) $(LAB_ARGS) book/intro.md
 
 tangle: $(STAMP)
 	$(PY) -m annotated_transformer.tangle
