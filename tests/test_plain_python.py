@@ -61,3 +61,18 @@ def test_the_cuda_tests_collect_without_the_build_tools():
     summary = done.stdout.strip().splitlines()[-1]
     assert "error" not in summary and " collected" in summary, summary
     assert int(summary.split("/")[0]) >= 30, summary  # the CUDA tests are there, not skipped at collection
+
+
+def test_glue_prints_outside_a_build_and_glues_inside_one(capsys, monkeypatch):
+    from annotated_transformer.runtime import glue
+
+    glue("speed_ratio", 1.25)
+    assert capsys.readouterr().out == "speed_ratio = 1.25\n"
+    myst_nb = pytest.importorskip("myst_nb")
+    IPython = pytest.importorskip("IPython")
+    glued = []
+    monkeypatch.setattr(myst_nb, "glue", lambda *args, **kwargs: glued.append((args, kwargs)))
+    monkeypatch.setattr(IPython, "get_ipython", lambda: type("Shell", (), {"kernel": object()})())
+    glue("speed_ratio", 1.25)
+    assert glued == [(("speed_ratio", 1.25), {"display": False})]
+    assert capsys.readouterr().out == ""
