@@ -17,7 +17,7 @@ from annotated_transformer.performance import (
     training_throughput,
 )
 from annotated_transformer.records import command_line, write_json
-from annotated_transformer.runtime import describe_device, get_device
+from annotated_transformer.runtime import choose_precision, describe_device, get_device
 
 
 SECTIONS = ("training", "attention", "decoding", "layers")
@@ -50,8 +50,9 @@ def run_benchmarks(device=None, smoke: bool = False, sections=SECTIONS, dtype=No
                    clock: str = "wall") -> dict:
     """Run the benchmark ``sections`` on ``device`` and return the results with a description of the run.
 
-    ``dtype`` defaults to bfloat16 (autocast) on CUDA and float32 elsewhere; ``clock`` is "wall" or "cpu" (see
-    ``time_side_by_side``).
+    ``dtype`` defaults to the precision of training there (``choose_precision``:
+    bfloat16 or float16 autocast on CUDA, float32 elsewhere); ``clock`` is "wall" or
+    "cpu" (see ``time_side_by_side``).
     """
     device = get_device(device)
     unknown = [name for name in sections if name not in SECTIONS]
@@ -60,7 +61,7 @@ def run_benchmarks(device=None, smoke: bool = False, sections=SECTIONS, dtype=No
     if clock not in CLOCKS or (clock == "cpu" and device.type != "cpu"):
         raise ValueError(f"clock must be 'wall', or 'cpu' on a CPU device; got {clock!r} on {device}")
     if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = choose_precision(device).dtype  # by the GPU: bf16 or fp16; else fp32
     sizes = benchmark_sizes(device.type, smoke)
     timing = dict(device=device, clock=clock)
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -130,7 +131,8 @@ def run(smoke: bool = False, device=None, sections=SECTIONS, json_path=None, thr
     return 0
 
 
-if __name__ == "__main__":
-    from annotated_transformer.cli import main
+if __name__ == "__main__":  # in a Jupyter kernel too
+    if __package__:  # set by `python -m`; None in a kernel and in a plain script
+        from annotated_transformer.cli import main
 
-    raise SystemExit(main(["bench", *sys.argv[1:]]))
+        raise SystemExit(main(["bench", *sys.argv[1:]]))

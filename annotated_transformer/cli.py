@@ -119,13 +119,19 @@ def add_train(subparsers) -> None:
     parser.add_argument("--clip-norm", type=positive_number, help="clip the gradient norm to this value (default: off)")
     parser.add_argument("--seed", type=seed_int, help="random seed (default: 0)")
     parser.add_argument("--device", type=device, help="cpu, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)")
-    parser.add_argument("--amp", action=argparse.BooleanOptionalAction, help="bfloat16 autocast (default: with CUDA)")
     parser.add_argument("--checkpoint-dir", help="folder for checkpoints step_*.pt (default: none)")
     parser.add_argument("--checkpoint-every", type=positive_int,
                         help="a checkpoint every N steps and at the end (default: at the end; multi30k: by profile)")
     parser.add_argument("--keep-last", type=non_negative_int, help="copy task: checkpoints kept (default 5, 0 = all)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    amp = parser.add_argument_group("precision", "default: by the device: bf16 "
+                                    "autocast on GPUs of compute capability 8.0+, fp16 "
+                                    "with loss scaling below; fp32 on a CPU or MPS")
+    amp.add_argument("--amp", action=argparse.BooleanOptionalAction,
+                     help="mixed precision on or off (--amp on a CPU: bf16)")
+    amp.add_argument("--amp-dtype", choices=Choices("runtime", "AMP_TYPES"),
+                     help="the autocast type (implies --amp; fp16 is refused on a CPU)")
     group = parser.add_argument_group("copy", "settings of --task copy; left out: the profile's values")
     group.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch (default: 128)")
     group.add_argument("--vocab", type=at_least(3), help="vocabulary size; 0 is padding, 1 the start (default: 11)")
@@ -134,7 +140,8 @@ def add_train(subparsers) -> None:
     parser.set_defaults(run=run_train)
 
 
-EVERY_TASK = {"command", "run", "task", "profile", "device", "amp", "checkpoint_dir", "resume", "progress"}
+EVERY_TASK = {"command", "run", "task", "profile", "device", "amp", "amp_dtype",
+              "checkpoint_dir", "resume", "progress"}
 OPTION_OF = {"N": "layers", "h": "heads"}  # the settings whose option has another name
 INSTEAD = {"batch_size": " (use --max-tokens)", "keep_last": " (it keeps --average)"}  # for --task multi30k
 
@@ -153,6 +160,14 @@ def run_train(args) -> int:
     return run_translation_train(args) if args.task == "multi30k" else run_copy_train(args)
 
 
+def amp_choice(args):
+    """The ``amp`` of training: None (by the device), True, False, "bf16" or "fp16"."""
+    if args.amp is False and args.amp_dtype is not None:
+        raise ValueError(f"--no-amp and --amp-dtype {args.amp_dtype} contradict each "
+                         "other: give one of them")
+    return args.amp_dtype or args.amp
+
+
 def run_copy_train(args) -> int:
     """``train --task copy``: train, then report the loss and the copy accuracy."""
     import torch.distributed as dist
@@ -168,7 +183,8 @@ def run_copy_train(args) -> int:
     if args.profile == "laptop":
         raise ValueError("--profile laptop is a profile of --task multi30k; the copy task has quick and full")
     config = copy_config(args.profile, **settings)
-    model, history = train_copy_task(config, device=args.device, amp=args.amp, checkpoint_dir=args.checkpoint_dir,
+    model, history = train_copy_task(config, device=args.device, amp=amp_choice(args),
+                                     checkpoint_dir=args.checkpoint_dir,
                                      resume=args.resume, progress=args.progress, **saving)
     if distributed_context()[0] == 0:
         if history["loss"]:
@@ -219,7 +235,8 @@ def run_translation_train(args) -> int:
     if args.checkpoint_dir is None:
         raise ValueError("--task multi30k needs --checkpoint-dir: its checkpoints, tokenizer and average.pt go there")
     _, trained = record_experiment(config, args.checkpoint_dir, results_path=args.results, device=args.device,
-                                   amp=args.amp, resume=args.resume, progress=args.progress, command=command_line())
+                                   amp=amp_choice(args), resume=args.resume,
+                                   progress=args.progress, command=command_line())
     print(f"averaged model (translate with it): {trained['checkpoint']}")
     return 0
 

@@ -8,7 +8,7 @@ import time
 from typing import Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def synchronize(device) -> None:
@@ -57,7 +57,7 @@ def time_side_by_side(fns: dict[str, Callable[[], object]], device="cpu", repeat
 
 
 def tensors_in(value) -> list[torch.Tensor]:
-    """The tensors in ``value``, which may be a tensor or nested lists, tuples and dicts of them."""
+    """The tensors in ``value``: a tensor, or nested lists, tuples and dicts of them."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
@@ -67,14 +67,14 @@ def tensors_in(value) -> list[torch.Tensor]:
     return []
 
 
-class LargestTensor(TorchFunctionMode):
-    """Records the size of the largest new tensor that any PyTorch function returns while the mode is active."""
+class LargestTensor(TorchDispatchMode):
+    """Size of the largest new tensor that any ATen operator returns while it is on."""
 
     def __init__(self):
         super().__init__()
         self.nbytes = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs))}
@@ -85,7 +85,7 @@ class LargestTensor(TorchFunctionMode):
 
 
 def largest_tensor_bytes(fn: Callable[[], object]) -> int:
-    """Bytes of the largest new tensor that a single operation creates while ``fn()`` runs (views excluded)."""
+    """Bytes of the largest new tensor one ATen operator makes in ``fn()``, views aside."""
     with LargestTensor() as mode:
         fn()
     return mode.nbytes

@@ -283,16 +283,19 @@ def decoding_throughput(config: dict, batch_sizes=(1, 64), output_tokens=(16, 64
 
 TRAINING_COLUMNS = [
     ("config", "config", "{}"), ("params", "params", "{:,}"), ("batch", "batch", "{}"),
-    ("tokens/step", "tokens", "{:,}"), ("ours ms", "ours_ms", "{:.1f}"), ("torch ms", "torch_ms", "{:.1f}"),
-    ("ours tok/s", "ours_tokens_per_s", "{:,.0f}"), ("torch tok/s", "torch_tokens_per_s", "{:,.0f}"),
-    ("ours/torch", "ratio", "{:.3f}"), ("ours MFU", "ours_mfu", "{:.1%}"), ("torch MFU", "torch_mfu", "{:.1%}"),
+    ("tokens/step", "tokens", "{:,}"), ("ours ms", "ours_ms", "{:.1f}"),
+    ("torch ms", "torch_ms", "{:.1f}"), ("ours tok/s", "ours_tokens_per_s", "{:,.0f}"),
+    ("torch tok/s", "torch_tokens_per_s", "{:,.0f}"), ("ours/torch", "ratio", "{:.3f}"),
+    ("ours MFU", "ours_mfu", "{:.1%}"), ("torch MFU", "torch_mfu", "{:.1%}"),
 ]
 ATTENTION_COLUMNS = [
-    ("n", "n", "{}"), ("B x h", "heads", "{}"), ("explicit ms", "explicit_ms", "{:.3f}"),
-    ("fused ms", "fused_ms", "{:.3f}"), ("speed-up", "speedup", "{:.2f}"),
-    ("scores MiB", "scores_bytes", "{:.2f}", MIB), ("explicit largest MiB", "explicit_largest_bytes", "{:.2f}", MIB),
+    ("n", "n", "{}"), ("B", "batch", "{}"), ("h", "heads", "{}"),
+    ("explicit ms", "explicit_ms", "{:.3f}"), ("fused ms", "fused_ms", "{:.3f}"),
+    ("speed-up", "speedup", "{:.2f}"), ("scores MiB", "scores_bytes", "{:.2f}", MIB),
+    ("explicit largest MiB", "explicit_largest_bytes", "{:.2f}", MIB),
     ("fused largest MiB", "fused_largest_bytes", "{:.2f}", MIB),
-    ("explicit peak MiB", "explicit_peak_bytes", "{:.1f}", MIB), ("fused peak MiB", "fused_peak_bytes", "{:.1f}", MIB),
+    ("explicit peak MiB", "explicit_peak_bytes", "{:.1f}", MIB),
+    ("fused peak MiB", "fused_peak_bytes", "{:.1f}", MIB),
 ]
 DECODING_COLUMNS = [
     ("method", "method", "{}"), ("batch", "batch", "{}"), ("tokens", "tokens", "{}"),

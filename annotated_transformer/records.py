@@ -63,7 +63,8 @@ def make_record(config, trained: dict, test_scores: dict, test, *, device, start
     greedy, beam = test_scores["greedy"], test_scores["beam"]
     return dict(
         task=TASK, profile=config.profile, changed=config.changed(), command=command, config=asdict(config),
-        device=describe_device(device), torch=torch.__version__, sacrebleu=sacrebleu.__version__,
+        device=describe_device(device), precision=trained["precision"],
+        torch=torch.__version__, sacrebleu=sacrebleu.__version__,
         parameters=trained["parameters"], train_examples=trained["train_examples"],
         train_seconds=round(trained["train_seconds"], 1), total_seconds=round(time.perf_counter() - started, 1),
         history=thin(trained["history"]), valid=trained["valid"], valid_loss_last=trained["last_valid_loss"],

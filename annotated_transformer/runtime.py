@@ -4,11 +4,14 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import platform
 import random
-from contextlib import contextmanager
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +97,106 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+AMP_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # what autocast may use
+NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How training computes on a ``device`` type: fp32 throughout, or autocast to
+    ``dtype``, bf16 or fp16 (with a gradient scaler). ``reason`` says why."""
+
+    device: str
+    dtype: torch.dtype = torch.float32
+    reason: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.device, str) or self.dtype not in NAMES:
+            raise ValueError(f"a Precision is a device type (a str) and float32, "
+                             f"bfloat16 or float16: {self.device!r}, {self.dtype!r}")
+
+    @property
+    def name(self) -> str:
+        """``"fp32"``, ``"bf16"`` or ``"fp16"``: its name in options and records."""
+        return NAMES[self.dtype]
+
+    @property
+    def scaled(self) -> bool:
+        """Whether losses are scaled: fp16 only, whose small gradients underflow."""
+        return self.dtype == torch.float16
+
+    def autocast(self):
+        """The context of a forward pass: autocast to ``dtype``; none for fp32."""
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device, dtype=self.dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """A gradient scaler, enabled for fp16 only (a disabled one does nothing)."""
+        return torch.amp.GradScaler(self.device, enabled=self.scaled)
+
+    def __str__(self) -> str:
+        what = {"fp32": "fp32", "bf16": "bf16 autocast",
+                "fp16": "fp16 autocast with loss scaling"}[self.name]
+        return f"{what} on {self.device}" + (f" ({self.reason})" if self.reason else "")
+
+
+def choose_precision(device=None, amp=None) -> Precision:
+    """The precision of training on ``device`` (see ``get_device``): by the hardware,
+    or as asked.
+
+    ``amp=None`` follows the hardware: bf16 autocast on a CUDA GPU of compute
+    capability 8.0 and up (native bfloat16), fp16 autocast with loss scaling below
+    that, fp32 on a CPU and on MPS. ``False`` (or ``"fp32"``) is fp32; ``True`` is
+    autocast of the device's type (bf16 on a CPU); ``"bf16"``, ``"fp16"`` or a torch
+    dtype asks for that type. fp16 on a CPU and autocast on MPS are refused
+    (ValueError); bf16 on a GPU without it runs emulated, with a warning. A
+    ``Precision`` made for this type of device is returned as it is.
+    """
+    device = get_device(device)
+    kind = device.type
+    if isinstance(amp, Precision) and amp.device == kind:
+        return amp
+    wanted, dtype = read_amp(amp)
+    if wanted is False:
+        return Precision(kind, torch.float32, "asked for")
+    if kind == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        native, capability = major >= 8, f"compute capability {major}.{minor}"
+        if dtype is None:
+            dtype = torch.bfloat16 if native else torch.float16
+            has = "native" if native else "no native"
+            return Precision(kind, dtype, f"{capability}: {has} bfloat16")
+        if dtype == torch.bfloat16 and not native:
+            warnings.warn(f"bf16 was asked for, but {capability} has no native "
+                          "bfloat16: it is emulated, often slower than fp16 (the "
+                          "default here) or even fp32")
+        return Precision(kind, dtype, f"asked for; {capability}")
+    if wanted is None:
+        return Precision(kind, torch.float32, f"the default on {kind}")
+    if kind != "cpu":
+        raise ValueError(f"autocast on {kind} is not supported here: train in fp32 "
+                         "(amp=False, --no-amp), the default on this device")
+    if dtype == torch.float16:
+        raise ValueError("fp16 on a CPU is refused: CPUs compute float16 slowly, if "
+                         "at all; ask for bf16 (--amp-dtype bf16) or fp32 (--no-amp)")
+    return Precision(kind, torch.bfloat16, "asked for")
+
+
+def read_amp(amp) -> tuple[bool | None, torch.dtype | None]:
+    """``amp`` as (autocast wanted: True, False or None for the default; its dtype)."""
+    if amp is None or isinstance(amp, bool):
+        return amp, None
+    names = {**AMP_TYPES, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "float32": torch.float32}
+    dtype = amp.dtype if isinstance(amp, Precision) else amp
+    dtype = names.get(dtype.strip().lower()) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype) or dtype not in NAMES:
+        raise ValueError(f"amp must be None, True, False, 'bf16', 'fp16' or 'fp32' (or "
+                         f"a torch dtype), got {amp!r}")
+    return dtype != torch.float32, dtype
+
+
 def describe_device(device) -> str:
     """A readable name of ``device``: ``"cuda (NVIDIA H100 ...)"``, or ``"cpu (<model>, 2 threads)"``."""
     device = get_device(device)
@@ -144,6 +247,27 @@ def check_module(name: str, value) -> None:
     """Raise a TypeError unless ``value`` is an ``nn.Module``."""
     if not isinstance(value, torch.nn.Module):
         raise TypeError(f"{name} must be an nn.Module, got {type(value).__name__}")
+
+
+def check_settings(config, *, positive, probabilities) -> None:
+    """The checks every task's configuration shares, each error naming its setting:
+    positive sizes, probabilities in [0, 1), ``d_model`` divisible by ``h``, a positive
+    finite ``factor`` and ``clip_norm`` (or None), a seed."""
+    for name in positive:
+        check_size(name, getattr(config, name))
+    for name in probabilities:
+        if not 0.0 <= (value := getattr(config, name)) < 1.0:
+            raise ValueError(f"{name} must lie in [0, 1), got {value!r}")
+    if config.d_model % config.h:
+        raise ValueError(f"d_model ({config.d_model}) must be divisible by h "
+                         f"({config.h})")
+    for name in ("factor", "clip_norm"):
+        value = getattr(config, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    seed = config.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
 
 
 def glue(name: str, value, display: bool = False) -> None:

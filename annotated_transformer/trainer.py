@@ -20,22 +20,15 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from annotated_transformer.checkpoints import (
-    CheckpointError,
-    check_run_folder,
-    checkpoint_path,
-    checkpoint_problem,
-    clean_leftovers,
-    latest_checkpoint,
-    load_checkpoint,
-    load_latest_checkpoint,
-    load_model_state,
-    rng_state,
-    rotate_checkpoints,
-    save_checkpoint,
-    set_rng_state,
+    CheckpointError, check_run_folder, checkpoint_path, checkpoint_problem,
+    clean_leftovers, latest_checkpoint, load_checkpoint, load_latest_checkpoint,
+    load_model_state, rng_state, rotate_checkpoints, save_checkpoint, set_rng_state,
 )
 from annotated_transformer.model import make_model
-from annotated_transformer.runtime import check_size, evaluating, get_device, get_profile, seed_everything
+from annotated_transformer.runtime import (
+    Precision, check_settings, choose_precision, evaluating, get_device, get_profile,
+    seed_everything,
+)
 from annotated_transformer.training import Batch, LabelSmoothing, make_optimizer, make_scheduler
 
 
@@ -87,12 +80,14 @@ def shard_rows(n: int, rank: int, world: int) -> slice:
     return slice(start, start + base + (1 if rank < extra else 0))
 
 
-def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callable, *, device: torch.device,
-                         amp: bool) -> tuple[float, float, int]:
+def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callable, *,
+                         device: torch.device, precision: Precision,
+                         scaler=None) -> tuple[float, float, int]:
     """Forward and backward over the micro-batches of one optimiser step; return (loss, nll, tokens) per token.
 
     Each micro-batch's loss is divided by the label tokens of the whole group, so the summed gradient is that of
     one batch holding all of them. ``nll`` is the cross-entropy of the labels, whatever ``loss_fn`` is.
+    The forward pass runs in ``precision``; a ``scaler`` (fp16) scales the loss.
     """
     rank, world = distributed_context()
     total_tokens = sum(batch.ntokens for batch in group)
@@ -105,12 +100,13 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
         batch = batch.to(device)
         last = j == len(group) - 1
         with net.no_sync() if world > 1 and not last else contextlib.nullcontext():
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            with precision.autocast():
                 log_probs = net(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
             flat, labels = log_probs.reshape(-1, log_probs.size(-1)), batch.tgt_y.reshape(-1)
             loss = loss_fn(flat, labels)
             # DistributedDataParallel averages gradients over processes: multiply by world to get the sum.
-            (loss * (world / total_tokens)).backward()
+            share = loss * (world / total_tokens)
+            (share if scaler is None else scaler.scale(share)).backward()
         nll = -flat.detach().float().gather(1, labels.unsqueeze(1)).squeeze(1)[labels != batch.pad].sum()
         pair = torch.stack([loss.detach(), nll])  # in the loss's precision (float64 in the tests)
         sums = pair if sums is None else sums + pair
@@ -120,11 +116,13 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
     return loss_per_token, nll_per_token, total_tokens
 
 
-def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer, scheduler=None):
+def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
+                    scheduler=None, scaler=None, precision: Precision | None = None):
     """Restore a checkpoint into model, optimiser, schedule and random generators: (start step, history, seconds).
 
     ``resume`` is True (the newest intact checkpoint of ``checkpoint_dir``, skipping damaged ones with a warning)
-    or a checkpoint's path.
+    or a checkpoint's path. The loss scale goes into ``scaler``; a checkpoint of another
+    ``precision`` gives a warning.
     """
     if isinstance(resume, (str, os.PathLike)):
         checkpoint = load_checkpoint(resume)
@@ -144,11 +142,17 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer, sche
                       "random numbers will not continue exactly as before")
     set_rng_state(states[rank % len(states)])
     extra = checkpoint["extra"]
+    if precision and extra.get("precision", precision.name) != precision.name:
+        warnings.warn(f"the checkpoint was trained in {extra['precision']}, this run "
+                      f"goes on in {precision.name}: it will not continue exactly")
+    if scaler is not None and scaler.is_enabled() and extra.get("grad_scaler"):
+        scaler.load_state_dict(extra["grad_scaler"])  # the loss scale it had reached
     return checkpoint["step"], extra.get("history"), extra.get("train_seconds", 0.0)
 
 
 def write_checkpoint(checkpoint_dir, step: int, *, model: nn.Module, optimizer, scheduler, history: dict,
-                     train_seconds: float, keep_last: int, extra: dict | None = None) -> None:
+                     train_seconds: float, keep_last: int, extra: dict | None = None,
+                     precision: Precision | None = None, scaler=None) -> None:
     """Write ``step_XXXXXXXX.pt`` (from the first process) with every process's generator state; verify; rotate."""
     rank, world = distributed_context()
     states = [None] * world
@@ -157,9 +161,12 @@ def write_checkpoint(checkpoint_dir, step: int, *, model: nn.Module, optimizer, 
     else:
         states = [rng_state()]
     if rank == 0:
+        run = {"precision": precision and precision.name,
+               "grad_scaler": scaler.state_dict() if scaler else {}}  # {} unless fp16
         path = save_checkpoint(checkpoint_path(checkpoint_dir, step), model=model, optimizer=optimizer,
                                scheduler=scheduler, step=step, rng=states,
-                               extra={**(extra or {}), "history": history, "train_seconds": train_seconds})
+                               extra={**(extra or {}), "history": history,
+                                      "train_seconds": train_seconds, **run})
         problem = checkpoint_problem(path)
         if problem:
             raise CheckpointError(f"the checkpoint just written does not read back, so no older one was deleted: "
@@ -191,12 +198,6 @@ class Progress:
         if self.own:
             self.bar.close()
 
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exception) -> None:
-        self.close()
-
 
 class NonFiniteLossError(ValueError, FloatingPointError):
     """Training met a loss (or gradient norm) that is not finite; the message names the step and the value."""
@@ -216,15 +217,16 @@ def check_finite(step: int, loss: float, grad_norm: float | None, checkpoint_dir
 
 def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *, steps: int,
           optimizer: torch.optim.Optimizer, scheduler=None, loss_fn: Callable, accumulation_steps: int = 1,
-          clip_norm: float | None = None, device=None, amp: bool | None = None, checkpoint_dir=None,
+          clip_norm: float | None = None, device=None, amp=None, checkpoint_dir=None,
           checkpoint_every: int = 0, keep_last: int = 5, resume=False, progress=True, extra=None) -> dict:
     """Train ``model`` for ``steps`` optimiser steps; return the history (per step: loss and ``nll`` per token,
     lr, tokens).
 
     Micro-batch ``i`` is ``batches[i % len(batches)]`` or ``batches(i)``; step ``s`` uses micro-batches
-    ``s*k .. s*k+k-1`` (``k = accumulation_steps``), their gradients summed as one batch. ``amp`` (default: on
-    for CUDA) runs bfloat16 autocast; ``clip_norm`` clips the gradient norm. With ``checkpoint_dir``, a
-    checkpoint is written every ``checkpoint_every`` steps and at the end, keeping the newest ``keep_last``;
+    ``s*k .. s*k+k-1`` (``k = accumulation_steps``), gradients summed as one batch.
+    ``amp`` is the precision: by the hardware unless given (see ``choose_precision``).
+    ``clip_norm`` clips the gradient norm. With ``checkpoint_dir``, a checkpoint is
+    written every ``checkpoint_every`` steps and at the end, keeping ``keep_last``;
     ``resume`` (True, or a checkpoint's path) continues exactly where that checkpoint stopped. Checkpoints record
     ``train_seconds``, summed over resumed runs, and ``extra``. A loss that is not finite stops the run with a
     :class:`NonFiniteLossError` before its update. Under ``torchrun`` each micro-batch is split between the
@@ -233,24 +235,32 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
     get_batch = check_training(batches, steps=steps, accumulation_steps=accumulation_steps,
                                checkpoint_every=checkpoint_every, resume=resume, checkpoint_dir=checkpoint_dir)
     device = next(model.parameters()).device if device is None else get_device(device)
-    amp = device.type == "cuda" if amp is None else amp
+    precision = choose_precision(device, amp)
+    scaler = precision.grad_scaler()
     start, history, seconds_before = 0, None, 0.0
     if resume:
-        start, history, seconds_before = resume_training(resume, checkpoint_dir, model=model.to(device),
-                                                         optimizer=optimizer, scheduler=scheduler)
+        start, history, seconds_before = resume_training(
+            resume, checkpoint_dir, model=model.to(device), optimizer=optimizer,
+            scheduler=scheduler, scaler=scaler, precision=precision)
     history = history or {"step": [], "loss": [], "nll": [], "lr": [], "tokens": []}
     if checkpoint_dir is not None and distributed_context()[0] == 0:
         clean_leftovers(checkpoint_dir)
     net = for_training(model, device)
-    with Progress(progress, total=steps, initial=start) as bar:  # closed however the loop ends
+    if progress and not isinstance(progress, tqdm) and distributed_context()[0] == 0:
+        print(f"precision: {precision}")  # with the run's own progress bar
+    with contextlib.closing(Progress(progress, total=steps, initial=start)) as bar:
         started = time.perf_counter()
         for step in range(start, steps):
             group = [get_batch(step * accumulation_steps + j) for j in range(accumulation_steps)]
             lr = optimizer.param_groups[0]["lr"]
-            loss, nll, tokens = accumulate_gradients(net, group, loss_fn, device=device, amp=amp)
+            loss, nll, tokens = accumulate_gradients(net, group, loss_fn, device=device,
+                                                     precision=precision, scaler=scaler)
+            scaler.unscale_(optimizer)  # true gradients, to clip (a no-op unless fp16)
             norm = None if clip_norm is None else float(nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
-            check_finite(step + 1, loss, norm, checkpoint_dir)
-            optimizer.step()
+            grad_norm = None if precision.scaled else norm  # fp16: overflows skip
+            check_finite(step + 1, loss, grad_norm, checkpoint_dir)
+            scaler.step(optimizer)  # skipped if an fp16 gradient overflowed
+            scaler.update()  # a lower scale after an overflow
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
@@ -261,7 +271,8 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
             if checkpoint_dir is not None and due:
                 write_checkpoint(checkpoint_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler,
                                  history=history, train_seconds=seconds_before + time.perf_counter() - started,
-                                 keep_last=keep_last, extra=extra)
+                                 keep_last=keep_last, extra=extra, precision=precision,
+                                 scaler=scaler)
     return history
 
 
@@ -349,24 +360,6 @@ class CopyConfig:
             raise ValueError(f"the copy task needs vocab >= 3 and seq_len >= 2, got {self.vocab}, {self.seq_len}")
 
 
-def check_settings(config, *, positive, probabilities) -> None:
-    """The checks every task's configuration shares, each error naming its setting: positive sizes, probabilities
-    in [0, 1), ``d_model`` divisible by ``h``, a positive finite ``factor`` and ``clip_norm`` (or None), a seed."""
-    for name in positive:
-        check_size(name, getattr(config, name))
-    for name in probabilities:
-        if not 0.0 <= getattr(config, name) < 1.0:
-            raise ValueError(f"{name} must lie in [0, 1), got {getattr(config, name)!r}")
-    if config.d_model % config.h:
-        raise ValueError(f"d_model ({config.d_model}) must be divisible by h ({config.h})")
-    for name in ("factor", "clip_norm"):
-        value = getattr(config, name)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < 2**32:
-        raise ValueError(f"seed must be an int in [0, 2**32), got {config.seed!r}")
-
-
 COPY_PROFILES = {
     "quick": CopyConfig(),
     "full": CopyConfig(N=2, d_model=512, d_ff=2048, h=8, steps=1000, warmup=400),
@@ -381,7 +374,8 @@ def copy_config(profile: str | None = None, **overrides) -> CopyConfig:
     return replace(COPY_PROFILES[get_profile(profile)], **{k: v for k, v in overrides.items() if v is not None})
 
 
-def train_copy_task(config: CopyConfig | None = None, *, device=None, amp: bool | None = None, checkpoint_dir=None,
+def train_copy_task(config: CopyConfig | None = None, *, device=None, amp=None,
+                    checkpoint_dir=None,
                     checkpoint_every: int = 0, keep_last: int = 5, resume=False, progress: bool = True,
                     profile: str | None = None, **overrides) -> tuple[nn.Module, dict]:
     """Train a small Transformer to copy random sequences; return (model in eval mode, history).
@@ -392,6 +386,7 @@ def train_copy_task(config: CopyConfig | None = None, *, device=None, amp: bool 
     config = copy_config(profile, **overrides) if config is None else replace(
         config, **{k: v for k, v in overrides.items() if v is not None})
     device = init_distributed(device)
+    precision = choose_precision(device, amp)  # a refusal comes before any work
     seed_everything(config.seed)
     model = make_model(config.vocab, config.vocab, N=config.N, d_model=config.d_model, d_ff=config.d_ff,
                        h=config.h, dropout=config.dropout).to(device)
@@ -411,6 +406,7 @@ def train_copy_task(config: CopyConfig | None = None, *, device=None, amp: bool 
     history = train(model, batch, steps=config.steps, optimizer=optimizer, scheduler=scheduler,
                     loss_fn=LabelSmoothing(config.vocab, 0, config.smoothing),
                     accumulation_steps=config.accumulation_steps, clip_norm=config.clip_norm, device=device,
-                    amp=amp, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                    amp=precision, checkpoint_dir=checkpoint_dir,
+                    checkpoint_every=checkpoint_every,
                     keep_last=keep_last, resume=resume, progress=progress, extra={"settings": settings})
     return model.eval(), history

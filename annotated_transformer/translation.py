@@ -26,8 +26,11 @@ from annotated_transformer.data import (
 )
 from annotated_transformer.masks import padding_mask, target_mask
 from annotated_transformer.model import EMBEDDING_INITS, make_model
-from annotated_transformer.runtime import check_size, evaluating, get_device, get_profile, seed_everything
-from annotated_transformer.trainer import check_settings as check_shared_settings, train
+from annotated_transformer.runtime import (
+    check_settings as check_shared_settings, check_size, choose_precision, evaluating,
+    get_device, get_profile, seed_everything,
+)
+from annotated_transformer.trainer import train
 from annotated_transformer.training import LabelSmoothing, make_optimizer, make_scheduler, token_batches
 
 
@@ -223,14 +226,18 @@ def load_translator(path, device=None):
     return model, tokenizer, checkpoint
 
 
-def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None, amp: bool | None = None,
-                     resume: bool = False, progress: bool = True, log=print) -> dict:
+def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None,
+                     amp=None, resume: bool = False, progress: bool = True,
+                     log=print) -> dict:
     """Train a Multi30k German-to-English translator as ``config`` says, in ``checkpoint_dir``.
 
     Returns a dict: the averaged model (eval mode), its tokenizer, the training history, the validation curve and
     losses, the checkpoint ``average.pt``, the parameter count and the training seconds (summed over resumed runs).
+    ``amp`` is the precision (the runtime's ``choose_precision``: by the device).
     """
     device = get_device(device)
+    precision = choose_precision(device, amp)  # a refusal comes before any work
+    log(f"precision: {precision}")
     folder, done = open_run_folder(checkpoint_dir, resume, config)
     seed_everything(config.seed)
     tokenizer, train_examples, valid_examples = prepare_data(config)
@@ -239,15 +246,18 @@ def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None, 
     keep_tokenizer(folder, tokenizer, resume)
     model, optimizer, scheduler, loss_fn = build_translator(config, tokenizer.vocab_size, device)
     batches = EpochBatches(train_examples, config.max_tokens, seed=config.seed)
-    valid = train_with_validation(model, batches, valid_examples, config, folder, done=done, device=device, amp=amp,
-                                  progress=progress, log=log, optimizer=optimizer, scheduler=scheduler,
-                                  loss_fn=loss_fn)
+    valid = train_with_validation(model, batches, valid_examples, config, folder,
+                                  done=done, device=device, amp=precision,
+                                  progress=progress, log=log, optimizer=optimizer,
+                                  scheduler=scheduler, loss_fn=loss_fn)
     _, last = load_latest_checkpoint(folder)
     averaged = average_last_checkpoints(model, folder, valid_examples, config, log=log)
     history = last["extra"].get("history", {})
     path = save_translator(folder / "average.pt", model, tokenizer, step=last["step"],
-                           extra={"averaged": averaged["averaged"], "history": history, "valid": valid})
+                           extra={"averaged": averaged["averaged"], "history": history,
+                                  "valid": valid, "precision": precision.name})
     return dict(model=model.eval(), tokenizer=tokenizer, history=history, valid=valid, checkpoint=path,
+                precision=precision.name,
                 train_examples=len(train_examples), train_seconds=last["extra"].get("train_seconds", 0.0),
                 parameters=sum(p.numel() for p in model.parameters()), **averaged)
 
@@ -393,7 +403,7 @@ def cross_attention_example(model: nn.Module, tokenizer: SentencePieces, sentenc
                 weights=[[round(w, 4) for w in row] for row in weights.tolist()])
 
 
-def run_experiment(config: TranslationConfig, checkpoint_dir, *, device=None, amp: bool | None = None,
+def run_experiment(config: TranslationConfig, checkpoint_dir, *, device=None, amp=None,
                    resume: bool = False, progress: bool = True, log=print) -> tuple[dict, dict]:
     """Train, average, and evaluate greedy and beam search on test2016: ({"split", "greedy", "beam"}, trained)."""
     trained = train_translator(config, checkpoint_dir, device=get_device(device), amp=amp, resume=resume,

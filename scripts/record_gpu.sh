@@ -3,7 +3,7 @@
 #
 #   scripts/record_gpu.sh prepare       # on a machine with the book's environment (jupytext, the data folder)
 #   scripts/record_gpu.sh translation   # on the GPU machine: the full Multi30k run (book/results/multi30k-full.json)
-#   scripts/record_gpu.sh checks        # on the GPU machine: CUDA tests, benchmarks, the copy task in bf16
+#   scripts/record_gpu.sh checks        # on the GPU machine: CUDA tests, benchmarks, the copy task in mixed precision
 #   scripts/record_gpu.sh chapters [NAME...]  # on the GPU machine: chapters as scripts, full profile
 #
 # `prepare` copies the Multi30k files (from ANNOTATED_TRANSFORMER_DATA) and the chapters, written as plain Python
@@ -72,7 +72,7 @@ checks)
         | tee "$OUT/bench.log"
     [ "$RESULTS" = "$OUT/results" ] || cp "$RESULTS/bench_gpu.json" "$OUT/"
     "$PYTHON" -m annotated_transformer train --task copy "${COPY[@]}" --device "$AT_DEVICE" --no-progress 2>&1 \
-        | tee "$OUT/copy-bf16.log"
+        | tee "$OUT/copy-amp.log"
     exit "${status:-0}"
     ;;
 chapters)

@@ -39,6 +39,7 @@ from annotated_transformer.performance import (
     training_throughput,
 )
 from annotated_transformer.model import make_model
+from annotated_transformer.runtime import choose_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,7 +238,7 @@ def test_gpu_path_bf16_training_mfu_and_memory() -> None:
     if peak_flops(torch.cuda.get_device_name(device)) is not None:
         assert 0 < row["ours_mfu"] < 1 and 0 < row["torch_mfu"] < 1
     results = run_benchmarks(device, smoke=True)
-    assert results["meta"]["dtype"] == "bfloat16"
+    assert results["meta"]["dtype"] == str(choose_precision(device).dtype).removeprefix("torch.")
     for r in results["attention"]:
         assert r["explicit_peak_bytes"] >= r["scores_bytes"]
         assert r["fused_peak_bytes"] < r["explicit_peak_bytes"]
