@@ -48,10 +48,11 @@ check: $(STAMP)
 	$(PY) -m annotated_transformer.tangle --check
 
 # Every chapter executed (JOBS at a time, into a fresh cache), warnings are errors, a failing cell fails the build.
-# The chapters are also written as notebooks (book/*.ipynb, git-ignored) for the launch and download buttons.
+# The chapters are also written as notebooks (book/*.ipynb, git-ignored) for the launch and download buttons, after
+# the execution: their text shows the numbers that the executed chapters glued (scripts/notebooks.py).
 html: $(STAMP)
-	$(PY) scripts/notebooks.py write
 	$(PY) scripts/execute_chapters.py
+	$(PY) scripts/notebooks.py write
 	$(VENV)/bin/jupyter-book build . --all -W -n --keep-going
 	$(PY) scripts/notebooks.py downloads
 

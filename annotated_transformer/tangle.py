@@ -322,7 +322,8 @@ def run(check: bool = False, root: Path | str | None = None) -> int:
     return 1 if orphans else 0
 
 
-if __name__ == "__main__":
-    from annotated_transformer.cli import main
+if __name__ == "__main__":  # in a Jupyter kernel too
+    if __package__:  # set by `python -m`; None in a kernel and in a plain script
+        from annotated_transformer.cli import main
 
-    raise SystemExit(main(["tangle", *sys.argv[1:]]))
+        raise SystemExit(main(["tangle", *sys.argv[1:]]))

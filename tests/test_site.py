@@ -543,13 +543,14 @@ def test_launch_and_download_buttons(page: str, site: Path, browser_results: dic
 @pytest.mark.site
 @pytest.mark.parametrize("page", PAGES)
 def test_notebooks_start_with_the_install_cell(page: str, site: Path) -> None:
-    """The notebook Colab opens and the downloadable one: the chapter's cells, after one install cell."""
+    """The notebook Colab opens and the downloadable one: the chapter's cells, after one install cell, with Markdown
+    that Jupyter renders (no MyST left) and the glued numbers of the executed chapter in it (no pointers)."""
     if not is_notebook(page):
         pytest.skip(f"{page} is not a notebook")
     import jupytext
     import nbformat
 
-    from scripts.notebooks import INSTALL_TAG
+    from scripts.notebooks import INSTALL_TAG, myst_leftovers
 
     chapter = ROOT / Path(page).with_suffix(".md")
     code = [cell.source for cell in jupytext.read(chapter).cells if cell.cell_type == "code"]
@@ -559,6 +560,11 @@ def test_notebooks_start_with_the_install_cell(page: str, site: Path) -> None:
         cells = [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
         assert INSTALL_TAG in cells[0].metadata.get("tags", []), f"{path}: the first cell is not the install cell"
         assert [cell.source for cell in cells[1:]] == code, f"{path}: its cells are not the chapter's"
+        markdown = "\n\n".join(cell.source for cell in nbformat.read(path, as_version=4).cells
+                                if cell.cell_type == "markdown")
+        assert myst_leftovers(markdown) == [], f"{path}: MyST that Jupyter shows raw"
+        pointers = re.findall(r"`[^`]+` \(printed (?:below|above|when the chapter runs)\)", markdown)
+        assert pointers == [], f"{path}: glued numbers missing (was the chapter executed first?): {pointers}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
