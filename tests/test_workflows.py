@@ -170,3 +170,10 @@ def test_the_readmes_figures_come_from_the_record():
     assert float(claim.group(1)) == round(record["test"]["beam"]["bleu"], 1)
     assert int(claim.group(2)) == round(record["train_seconds"] / 60)
     assert (ROOT / "docs" / "translator.png").is_file()
+    gpu = json.loads((ROOT / "book" / "results" / "multi30k-full.json").read_text(encoding="utf-8"))
+    claim = re.search(r"([\d.]+) BLEU on Multi30k test2016 with\s+beam search after ([\d.]+) minutes of "
+                      r"training on one (NVIDIA [\w ]+?) \(", readme)
+    assert claim, "the README no longer quotes the GPU run"
+    assert float(claim.group(1)) == round(gpu["test"]["beam"]["bleu"], 2)
+    assert float(claim.group(2)) == round(gpu["train_seconds"] / 60, 1)
+    assert claim.group(3) in gpu["device"]
