@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import inspect
 import os
 import random
 import re
+import socket
 import tempfile
 import warnings
 from pathlib import Path
@@ -38,11 +41,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def write_atomically(path, write, *, mode: str = "wb") -> Path:
-    """Call ``write(stream)`` on a temporary file beside ``path``, then rename it to ``path``.
-
-    Readers see the old file or the new one, never a part of one; on failure nothing is left behind.
-    ``mode`` is ``"wb"`` (binary) or ``"w"`` (UTF-8 text).
-    """
+    """Write ``path`` atomically: ``write(stream)`` on a temporary file beside it, then
+    a rename (``mode`` "wb", or "w": UTF-8); a failure leaves nothing behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -66,18 +66,11 @@ CHECKPOINT_FORMAT = 2  # 2: with a SHA-256 checksum; 1 (before checksums): read,
 
 
 class CheckpointError(ValueError):
-    """A file that is not an intact checkpoint: empty, truncated, damaged or not a checkpoint of this book.
-
-    The message names the file and what is wrong with it.
-    """
+    """A file that is not an intact checkpoint; the message names it and its fault."""
 
 
 def content_digest(state) -> str:
-    """SHA-256 (hex) of a checkpoint's content: each tensor's dtype, shape and bytes, and each plain value.
-
-    Dictionaries are walked in their own order (``torch.save`` and ``torch.load`` keep it); anything but tensors,
-    dictionaries, lists, tuples, strings, bytes, numbers, booleans and None raises a TypeError.
-    """
+    """SHA-256 of a checkpoint's content: tensors (dtype, shape, bytes) and values."""
     digest = hashlib.sha256()
 
     def feed(value) -> None:
@@ -109,17 +102,10 @@ def content_digest(state) -> str:
 
 def save_checkpoint(path, *, model: nn.Module, optimizer=None, scheduler=None, step: int = 0,
                     config: dict | None = None, extra: dict | None = None, rng: list | None = None) -> Path:
-    """Write a training checkpoint atomically: a temporary file in the same folder, then a rename.
-
-    It holds the model's weights, the optimiser's and the schedule's states, the step, the random number
-    generators' states (``rng``, one per process; by default this process's), the model configuration
-    (``config``, by default ``model.config``) and ``extra``, all as tensors and plain Python values so that
-    :func:`load_checkpoint` can read it with ``torch.load(weights_only=True)``; and the SHA-256 of all that
-    (:func:`content_digest`) under ``"checksum"``.
-    """
+    """Write atomically the weights, optimiser and schedule states, step, generators'
+    states (``rng``), ``config`` (or ``model.config``) and ``extra``, with a SHA-256."""
     path = Path(path)
-    if config is None:
-        config = getattr(model, "config", None)
+    config = getattr(model, "config", None) if config is None else config
     state = {
         "format": CHECKPOINT_FORMAT,
         "step": int(step),
@@ -168,11 +154,7 @@ def file_stamp(path: Path) -> tuple:
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:
-    """Read a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code runs) and verify it.
-
-    A missing file raises FileNotFoundError; an empty, truncated, damaged or foreign one a :class:`CheckpointError`
-    naming the file and what is wrong. A checkpoint of format 1 (no checksum) is read with a warning.
-    """
+    """Read (``weights_only``) and verify a checkpoint; a fault: one CheckpointError."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
@@ -194,8 +176,27 @@ def load_checkpoint(path, map_location="cpu") -> dict:
             raise CheckpointError(f"{path} is not a checkpoint of this book: {error}") from None
         if checkpoint.get("checksum") != digest:
             raise CheckpointError(f"{path}: checksum mismatch: the file was changed or damaged after it was written")
+    if problem := structure_problem(checkpoint):
+        raise CheckpointError(f"{path} holds what this version cannot use: {problem}")
     VERIFIED[path.resolve()] = stamp
     return checkpoint
+
+
+def structure_problem(checkpoint: dict) -> str | None:
+    """What in a checkpoint differs from what save_checkpoint writes; or None."""
+    parts = dict(step=int, config=dict, model=dict, optimizer=(dict, type(None)),
+                 scheduler=(dict, type(None)), rng=list, extra=dict)
+    for key, kind in parts.items():
+        if not isinstance(checkpoint.get(key), kind):
+            return f"its part {key!r} is a {type(checkpoint.get(key)).__name__}"
+    unknown = set(checkpoint["config"]) - set(inspect.signature(make_model).parameters)
+    if unknown:
+        return (f"its model configuration has setting(s) that make_model does not know "
+                f"(from a later version?): {', '.join(sorted(map(str, unknown)))}")
+    if not checkpoint["rng"] or not all(isinstance(s, dict) for s in checkpoint["rng"]):
+        return "its part 'rng' is not a list of random number generator states"
+    settings = checkpoint["extra"].get("settings", {})
+    return None if isinstance(settings, dict) else "its extra 'settings' is not a dict"
 
 
 def config_difference(a: dict, b: dict) -> list[str]:
@@ -228,7 +229,9 @@ def model_from_checkpoint(path, device=None) -> tuple[nn.Module, dict]:
 
 
 CHECKPOINT_NAME = re.compile(r"^step_(\d+)\.pt$")
-LEFTOVER_NAME = re.compile(r"^\.step_\d+\.pt\.\w+\.tmp$")  # write_atomically's temporary file of a checkpoint
+RUN_FILES = ("average.pt", "tokenizer.model", "valid.json")  # besides step_*.pt
+LEFTOVER_NAME = re.compile(r"^\.(step_\d+\.pt|write-test|%s)\.[a-z0-9_]{8}\.tmp$"
+                           % "|".join(map(re.escape, RUN_FILES)))  # names by mkstemp
 
 
 def checkpoint_path(directory, step: int) -> Path:
@@ -244,29 +247,27 @@ def list_checkpoints(directory) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def latest_checkpoint(directory) -> Path | None:
-    """The checkpoint of the highest step in ``directory``, or None (see :func:`load_latest_checkpoint`)."""
-    found = list_checkpoints(directory)
-    return found[-1] if found else None
+def latest_checkpoint(directory, *, intact: bool = False) -> Path | None:
+    """The newest checkpoint of ``directory`` (``intact``: that reads back), or None."""
+    found = reversed(list_checkpoints(directory))  # newest first: reads what it must
+    return next((p for p in found if not (intact and checkpoint_problem(p))), None)
 
 
 def clean_leftovers(directory) -> list[Path]:
-    """Remove, with a warning, the temporary files that saves killed before their rename left in ``directory``."""
+    """Remove, with a warning, the temporary files of killed writes (LEFTOVER_NAME)."""
     directory = Path(directory)
     found = sorted(p for p in directory.iterdir() if LEFTOVER_NAME.match(p.name)) if directory.is_dir() else []
     for path in found:
         path.unlink(missing_ok=True)
     if found:
-        warnings.warn(f"removed {len(found)} temporary file(s) of interrupted checkpoint saves from {directory}: "
-                      f"{', '.join(p.name for p in found)}", stacklevel=2)
+        warnings.warn(f"removed {len(found)} temporary file(s) of killed writes from "
+                      f"{directory}: {', '.join(p.name for p in found)}")
     return found
 
 
 def checkpoint_problem(path) -> str | None:
-    """None if ``path`` is an intact checkpoint, else what is wrong with it (the CheckpointError's message).
-
-    A file this process verified before and that has not changed since (:func:`file_stamp`) is not read again.
-    """
+    """None if ``path`` is an intact checkpoint, else what is wrong with it; a file
+    verified and unchanged since (:func:`file_stamp`) is not read again."""
     path = Path(path)
     try:
         if VERIFIED.get(path.resolve()) == file_stamp(path):
@@ -280,11 +281,8 @@ def checkpoint_problem(path) -> str | None:
 
 
 def load_latest_checkpoint(directory, map_location="cpu", *, warn: bool = True) -> tuple[Path | None, dict | None]:
-    """(path, content) of the newest intact checkpoint of ``directory``, or (None, None) if it holds none.
-
-    Damaged newer checkpoints are skipped, with a warning naming them and the one used (``warn``); if every
-    checkpoint of the folder is damaged, a CheckpointError lists them.
-    """
+    """(path, content) of the newest intact checkpoint of ``directory``, or (None,
+    None); damaged newer ones are skipped (``warn``: say so); none intact: an error."""
     found, damaged = list_checkpoints(directory), []
     for path in reversed(found):
         try:
@@ -302,10 +300,8 @@ def load_latest_checkpoint(directory, map_location="cpu", *, warn: bool = True) 
 
 
 def rotate_checkpoints(directory, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` intact checkpoints of ``directory`` (0 keeps all); return the deleted.
-
-    A damaged checkpoint is never counted as kept, so no intact one is deleted to make room for it.
-    """
+    """Delete all but the newest ``keep_last`` intact checkpoints (0 keeps all; a
+    damaged one never counts as kept); return the deleted."""
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0, got {keep_last}")
     intact, old = 0, []
@@ -320,14 +316,9 @@ def rotate_checkpoints(directory, keep_last: int) -> list[Path]:
     return old[::-1]
 
 
-def check_run_folder(directory, config: dict, *, resume) -> Path:
-    """Check, before any training, that a run may write its checkpoints to ``directory``; return it as a Path.
-
-    The folder must be, or become, a writable folder. A new run (``resume`` false) needs one without checkpoints;
-    a resumed run (``resume=True``) needs one with checkpoints, the newest intact of which must agree with
-    ``config`` on every setting it holds (its model configuration and ``extra["settings"]``). ``resume`` may also
-    be a checkpoint's path: then the folder may be empty.
-    """
+def check_run_folder(directory, config: dict | None, *, resume=False) -> Path:
+    """Check that ``directory`` is a writable folder (``config`` None: only that),
+    without a run's files for a new run, or agreeing with ``config`` when resumed."""
     folder = Path(directory)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a file, not a folder: checkpoints need a folder of their own")
@@ -335,17 +326,22 @@ def check_run_folder(directory, config: dict, *, resume) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-test.", suffix=".tmp")
         os.close(handle)
-        os.unlink(probe)
+        Path(probe).unlink(missing_ok=True)
     except OSError as error:
         raise ValueError(f"cannot write checkpoints to {folder}: creating it, or a file in it, failed "
                          f"({error.strerror or error})") from error
+    if config is None:
+        return folder
     found = list_checkpoints(folder)
-    if found and not resume:
-        raise ValueError(f"{folder} already holds checkpoints (the newest is {found[-1].name}): resume that run "
-                         "(--resume), or use another folder")
+    others = [name for name in RUN_FILES if (folder / name).exists()]
+    if (found or others) and not resume:
+        what = [f"checkpoints (the newest is {p.name})" for p in found[-1:]] + others
+        raise ValueError(f"{folder} already holds {', '.join(what)}: the files of a "
+                         "run; resume that run (--resume), or use another folder")
     if not found:
         if resume is True:
-            raise FileNotFoundError(f"resume was asked for, but {folder} holds no checkpoint")
+            only = f" (only {', '.join(others)})" if others else ""
+            raise FileNotFoundError(f"{folder} holds no checkpoint to resume{only}")
         return folder
     path, checkpoint = load_latest_checkpoint(folder, warn=False)
     stored = {**checkpoint["config"], **(checkpoint["extra"] or {}).get("settings", {})}
@@ -357,18 +353,55 @@ def check_run_folder(directory, config: dict, *, resume) -> Path:
     return folder
 
 
-def average_checkpoints(paths: Sequence) -> dict:
-    """The element-wise mean of the weights of several checkpoints of one model (section 6.1).
+fcntl = None if os.name == "nt" else __import__("fcntl")  # POSIX; Windows has none
+LOCK_FILE = ".run.lock"  # locked by the run that holds the folder; names its process
 
-    Floating-point tensors are averaged (in float64, then cast back); other tensors are taken from the last
-    checkpoint. The checkpoints must share a configuration and parameter names.
-    """
+
+def take_lock(path: Path) -> int:
+    """``path``, opened and locked; ValueError: a live holder; warning: a dead one."""
+    while True:
+        handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(handle, 256).decode(errors="replace") or "a process"
+            os.close(handle)
+            raise ValueError(f"{path.parent} is in use by another run, {holder} (see "
+                             f"{path.name}): wait for it to end, or use another folder")
+        if os.fstat(handle).st_nlink:  # else its holder removed it meanwhile: again
+            break
+        os.close(handle)
+    if left := os.read(handle, 256).decode(errors="replace"):
+        warnings.warn(f"took over the lock of {path.parent} from {left}, which ended "
+                      "without releasing it (it was killed, or its machine stopped)")
+    os.ftruncate(handle, 0)
+    os.pwrite(handle, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    return handle
+
+
+@contextlib.contextmanager
+def run_folder(directory, config: dict, *, resume=False, hold: bool = True):
+    """Hold ``directory`` (None: none) while the block runs; yield it: locked, checked,
+    cleaned (take_lock, check_run_folder, clean_leftovers); ``hold=False``: checked."""
+    folder = None if directory is None else check_run_folder(directory, None)
+    handle = take_lock(folder / LOCK_FILE) if folder and hold and fcntl else None
+    try:
+        if folder and check_run_folder(folder, config, resume=resume) and hold:
+            clean_leftovers(folder)  # only now: a refused run changes nothing
+        yield folder
+    finally:
+        if handle is not None:
+            (folder / LOCK_FILE).unlink(missing_ok=True)
+            os.close(handle)
+
+
+def average_checkpoints(paths: Sequence) -> dict:
+    """The element-wise mean of the weights of checkpoints of a model (section 6.1)."""
     paths = list(paths)
     if not paths:
         raise ValueError("paths must name at least one checkpoint")
-    first = load_checkpoint(paths[0])
+    last = first = load_checkpoint(paths[0])
     sums = {key: value.double() if value.is_floating_point() else value for key, value in first["model"].items()}
-    last = first
     for path in paths[1:]:
         last = load_checkpoint(path)
         keys = config_difference(first["config"], last["config"])

@@ -20,9 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from annotated_transformer.checkpoints import (
-    CheckpointError, check_run_folder, checkpoint_path, checkpoint_problem,
-    clean_leftovers, latest_checkpoint, load_checkpoint, load_latest_checkpoint,
-    load_model_state, rng_state, rotate_checkpoints, save_checkpoint, set_rng_state,
+    CheckpointError, checkpoint_path, checkpoint_problem, latest_checkpoint,
+    load_checkpoint, load_latest_checkpoint, load_model_state, rng_state,
+    rotate_checkpoints, run_folder, save_checkpoint, set_rng_state,
 )
 from annotated_transformer.model import make_model
 from annotated_transformer.runtime import (
@@ -208,7 +208,7 @@ def check_finite(step: int, loss: float, grad_norm: float | None, checkpoint_dir
     if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
         return
     what = f"the loss per token is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
-    last = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    last = checkpoint_dir is not None and latest_checkpoint(checkpoint_dir, intact=True)
     kept = f"the newest checkpoint, {last}, is from before it" if last else "no checkpoint was written"
     raise NonFiniteLossError(f"training stopped at step {step}: {what}, not a finite number. The step's update was "
                              f"not made and no checkpoint of it was written; {kept}. A lower learning rate, gradient "
@@ -243,8 +243,6 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
             resume, checkpoint_dir, model=model.to(device), optimizer=optimizer,
             scheduler=scheduler, scaler=scaler, precision=precision)
     history = history or {"step": [], "loss": [], "nll": [], "lr": [], "tokens": []}
-    if checkpoint_dir is not None and distributed_context()[0] == 0:
-        clean_leftovers(checkpoint_dir)
     net = for_training(model, device)
     if progress and not isinstance(progress, tqdm) and distributed_context()[0] == 0:
         print(f"precision: {precision}")  # with the run's own progress bar
@@ -391,8 +389,6 @@ def train_copy_task(config: CopyConfig | None = None, *, device=None, amp=None,
     model = make_model(config.vocab, config.vocab, N=config.N, d_model=config.d_model, d_ff=config.d_ff,
                        h=config.h, dropout=config.dropout).to(device)
     settings = {key: value for key, value in asdict(config).items() if key != "steps"}
-    if checkpoint_dir is not None:  # before any training: a folder that cannot take the checkpoints fails now
-        check_run_folder(checkpoint_dir, {**model.config, **settings}, resume=resume)
     rank, _ = distributed_context()
     if rank > 0:  # the same initial weights everywhere, but each process its own dropout masks
         seed_everything(config.seed + rank)
@@ -403,10 +399,13 @@ def train_copy_task(config: CopyConfig | None = None, *, device=None, amp=None,
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
         return next(copy_batches(config.vocab, config.batch_size, config.seq_len, 1, generator=generator))
 
-    history = train(model, batch, steps=config.steps, optimizer=optimizer, scheduler=scheduler,
-                    loss_fn=LabelSmoothing(config.vocab, 0, config.smoothing),
-                    accumulation_steps=config.accumulation_steps, clip_norm=config.clip_norm, device=device,
-                    amp=precision, checkpoint_dir=checkpoint_dir,
-                    checkpoint_every=checkpoint_every,
-                    keep_last=keep_last, resume=resume, progress=progress, extra={"settings": settings})
+    with run_folder(checkpoint_dir, {**model.config, **settings}, resume=resume,
+                    hold=rank == 0):  # checked before any training, held to its end
+        history = train(model, batch, steps=config.steps, optimizer=optimizer,
+                        scheduler=scheduler, amp=precision, device=device,
+                        loss_fn=LabelSmoothing(config.vocab, 0, config.smoothing),
+                        accumulation_steps=config.accumulation_steps,
+                        clip_norm=config.clip_norm, checkpoint_dir=checkpoint_dir,
+                        checkpoint_every=checkpoint_every, keep_last=keep_last,
+                        resume=resume, progress=progress, extra={"settings": settings})
     return model.eval(), history

@@ -362,7 +362,7 @@ def test_leftovers_of_killed_saves_are_removed_and_reported(tmp_path):
     for path in others:
         path.write_text("not ours to delete")
     with pytest.warns(UserWarning, match=r"removed 1 temporary file\(s\) .*\.step_00000003\.pt\.\w+\.tmp"):
-        train_tiny(tmp_path, 2)
+        train_copy_task(steps=2, checkpoint_dir=tmp_path, **COPY)  # the run removes them
     assert not Path(leftover).exists() and all(path.exists() for path in others)
     assert clean_leftovers(tmp_path) == [] and clean_leftovers(tmp_path / "missing") == []
 
@@ -373,12 +373,12 @@ def test_check_run_folder(tmp_path, monkeypatch):
     config = tiny_model().config
     new = tmp_path / "a" / "b"
     assert check_run_folder(new, config, resume=False) == new and new.is_dir() and not list(new.iterdir())
-    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint to resume$"):
         check_run_folder(new, config, resume=True)
     assert check_run_folder(new, config, resume=str(tmp_path / "elsewhere.pt")) == new  # a path: may be empty
     save_checkpoint(checkpoint_path(new, 3), model=tiny_model(), extra={"settings": {"seed": 0}})
-    with pytest.raises(ValueError, match=r"already holds checkpoints \(the newest is step_00000003.pt\): resume "
-                                         r"that run \(--resume\), or use another folder"):
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(the newest is step_00000003.pt\): the "
+                                         r"files of a run; resume that run \(--resume\), or use another folder"):
         check_run_folder(new, config, resume=False)
     assert check_run_folder(new, {**config, "seed": 0, "steps": 10}, resume=True) == new
     with pytest.raises(ValueError, match=r"other settings .*d_model \(checkpoint 16, this run 32\), "
