@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import os
-import tempfile
+import re
+import shutil
+import time
 import unicodedata
+import warnings
 import zlib
 from pathlib import Path
 from typing import Sequence
@@ -16,19 +20,23 @@ from typing import Sequence
 import sentencepiece as spm
 import torch
 
+from annotated_transformer.beam_search import TokenIds
+from annotated_transformer.checkpoints import write_atomically
 from annotated_transformer.download import cache_dir, fetch
 from annotated_transformer.training import Batch, token_batches
 
 
 SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
 SPLIT_SIZES = {"train": 29_000, "valid": 1_014, "test": 1_000}
+BOM = "\ufeff"  # the byte-order mark that some editors put at the start of a UTF-8 file
 
 
 def read_lines(path) -> list[str]:
     """The lines of a UTF-8 text file, plain or gzip-compressed (by its ``.gz`` suffix), without line ends.
 
-    One sentence a line. A missing file or a folder raises FileNotFoundError; bytes that are not UTF-8 (the error
-    names the line) or a damaged gzip stream raise ValueError. Every message names the file.
+    One sentence a line; a byte-order mark at the start is dropped. A missing file or
+    a folder raises FileNotFoundError; bytes that are not UTF-8 (the error names the
+    line) or a damaged gzip stream raise ValueError. Every message names the file.
     """
     path = Path(path)
     if not path.is_file():
@@ -38,7 +46,8 @@ def read_lines(path) -> list[str]:
     try:
         with opener(path, "rb") as stream:
             for number, line in enumerate(stream, start=1):
-                lines.append(line.decode("utf-8").rstrip("\r\n"))
+                text = line.decode("utf-8").rstrip("\r\n")
+                lines.append(text.removeprefix(BOM) if number == 1 else text)
     except UnicodeDecodeError as error:
         raise ValueError(f"line {number} of {path} is not UTF-8 text: {error.reason} at byte {error.start + 1} "
                          f"of the line") from None
@@ -83,27 +92,81 @@ def train_tokenizer(pairs, vocab_size: int = 8000, model_type: str = "bpe", dire
     folder = Path(directory) if directory is not None else cache_dir() / "tokenizers"
     path = folder / f"joint-{model_type}-{vocab_size}-{key}.model"
     if path.exists():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        corpus = Path(scratch) / "corpus.txt"
-        corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        prefix = Path(scratch) / "model"
+        try:
+            pieces = load_tokenizer(path).get_piece_size()
+            problem = (None if pieces == vocab_size
+                       else f"{path} has {pieces} pieces, not {vocab_size}")
+        except ValueError as error:
+            problem = str(error)
+        if problem is None:
+            return path
+        warnings.warn(f"the tokenizer cache held a bad file ({problem}): training it "
+                      "again", stacklevel=2)
+    remove_stale_scratch(folder)
+    model = io.BytesIO()  # in memory: no file names in the model, no scratch files
+    try:
         spm.SentencePieceTrainer.train(
-            input=str(corpus), model_prefix=str(prefix), vocab_size=vocab_size, model_type=model_type,
-            character_coverage=1.0, pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-            num_threads=os.cpu_count() or 1, minloglevel=2,
+            sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
+            model_type=model_type, character_coverage=1.0, pad_id=PAD_ID, unk_id=UNK_ID,
+            bos_id=BOS_ID, eos_id=EOS_ID, num_threads=os.cpu_count() or 1,
+            minloglevel=2,
         )
-        os.replace(prefix.with_suffix(".model"), path)
-    return path
+    except RuntimeError as error:
+        raise size_refusal(vocab_size, str(error)) from None
+    return write_atomically(path, lambda stream: stream.write(model.getvalue()))
+
+
+def size_refusal(vocab_size: int, message: str) -> Exception:
+    """SentencePiece's refusal of ``vocab_size`` (its RuntimeError's ``message``), as a
+    ValueError that names the limit."""
+    if low := re.search(r"smaller than required_chars\. \d+ vs (\d+)", message):
+        return ValueError(f"vocab_size must be at least {low[1]} for this text (a "
+                          "piece for each of its characters, and the special ones), "
+                          f"got {vocab_size}")
+    if high := re.search(r"Vocabulary size too high .* <= (\d+)", message):
+        return ValueError(f"vocab_size must be at most {high[1]} for this text "
+                          "(SentencePiece finds no more pieces in it), "
+                          f"got {vocab_size}")
+    return RuntimeError(message)
 
 
 def load_tokenizer(path) -> spm.SentencePieceProcessor:
-    """Load a SentencePiece model file."""
+    """Load a SentencePiece model file; a missing one raises FileNotFoundError, a
+    damaged one ValueError."""
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise FileNotFoundError(f"no SentencePiece model at {path}")
-    return spm.SentencePieceProcessor(model_file=str(path))
+    try:
+        return spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError):
+        raise ValueError(f"{path} cannot be read as a SentencePiece model: it is "
+                         "damaged, cut off or another kind of file") from None
+
+
+STALE_SECONDS = 3600  # a leftover this old belongs to no live training
+SCRATCH = {"corpus.txt", "model.model", "model.vocab"}  # earlier versions' scratch
+
+
+def remove_stale_scratch(folder: Path, older_than: float = STALE_SECONDS) -> list[Path]:
+    """Remove, with a warning, what killed trainings left in the cache ``folder``:
+    scratch folders ``tmp*`` and temporary files ``.*.model.*.tmp``, once ``older_than``
+    seconds old."""
+    if not folder.is_dir():
+        return []
+    found = [*folder.glob("tmp*"), *folder.glob(".*.model.*.tmp")]
+    ours = [p for p in found  # a folder of other files is not a scratch folder
+            if not p.is_dir() or {f.name for f in p.iterdir()} <= SCRATCH]
+    stale = [p for p in ours if time.time() - p.stat().st_mtime > older_than]
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if stale:
+        warnings.warn(f"removed {len(stale)} leftover(s) of interrupted tokenizer "
+                      f"trainings from {folder}: {', '.join(p.name for p in stale)}",
+                      stacklevel=2)
+    return stale
 
 
 def normalize(text: str) -> str:
@@ -181,3 +244,82 @@ def tokenizer_from_tensor(data: torch.Tensor) -> spm.SentencePieceProcessor:
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
         raise TypeError("data must be a 1-D uint8 tensor made by tokenizer_to_tensor")
     return spm.SentencePieceProcessor(model_proto=data.numpy().tobytes())
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """SHA-256 (hex) of a tokenizer's serialised model: a SentencePieceProcessor's, or a
+    model file's bytes."""
+    if isinstance(tokenizer, spm.SentencePieceProcessor):
+        return hashlib.sha256(tokenizer.serialized_model_proto()).hexdigest()
+    return hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
+
+
+def write_tokenizer(path, tokenizer: spm.SentencePieceProcessor) -> Path:
+    """Write the tokenizer's model file atomically: the old file or the new one, never a
+    part of one."""
+    proto = tokenizer.serialized_model_proto()
+    return write_atomically(path, lambda stream: stream.write(proto))
+
+
+TASK, TOKENIZER_FILE = "multi30k", "tokenizer.model"
+
+
+def checkpoint_tokenizer(checkpoint: dict, path=None):
+    """The tokenizer of a checkpoint's task: ``TokenIds`` (copy task) or
+    ``SentencePieces`` (Multi30k); ``path``, the checkpoint's file, lets a ``step_*.pt``
+    find the ``tokenizer.model`` beside it (whose SHA-256 the checkpoint names)."""
+    extra = checkpoint.get("extra") or {}
+    vocab = (checkpoint.get("config") or {}).get("tgt_vocab")
+    beside = None if path is None else Path(path).parent / TOKENIZER_FILE
+    found = beside is not None and beside.exists()
+    task = extra.get("task") or (TASK if found else "copy")  # no task: an older file
+    if task == "copy":
+        return TokenIds(vocab)
+    if task != TASK:
+        raise ValueError(f"no tokenizer is known for the checkpoint's task {task!r} "
+                         f"(known: ['copy', '{TASK}'])")
+    if extra.get("tokenizer") is not None:
+        processor = tokenizer_from_tensor(extra["tokenizer"])
+    elif found:
+        digest = extra.get("tokenizer_sha256")
+        if digest is not None and tokenizer_digest(beside) != digest:
+            raise ValueError(f"{beside} is not the tokenizer {path} was trained with "
+                             "(another SHA-256: damaged, or another run's): put that "
+                             f"run's {TOKENIZER_FILE} beside it, or use its "
+                             "average.pt, which holds its tokenizer")
+        processor = load_tokenizer(beside)
+    else:
+        raise ValueError(f"{path or 'the checkpoint'} holds no tokenizer and there is "
+                         f"no {TOKENIZER_FILE} beside it: use the averaged model "
+                         "average.pt, which holds its tokenizer")
+    if processor.get_piece_size() != vocab:
+        raise ValueError(f"the tokenizer has {processor.get_piece_size()} pieces but "
+                         f"the model's vocabulary has {vocab}: they do not belong "
+                         "together")
+    return SentencePieces(processor)
+
+
+MAX_LEN_A, MAX_LEN_B = 1.2, 10
+
+
+class SentencePieces:
+    """The beam search chapter's tokenizer interface for a SentencePiece model."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.pad, self.start, self.end = PAD_ID, BOS_ID, EOS_ID
+        self.vocab_size = processor.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        """The source ids of ``text``: its pieces, then </s>."""
+        return self.processor.encode(text) + [EOS_ID]
+
+    def decode(self, ids) -> str:
+        """The text of an output's pieces (without <s> and </s>)."""
+        return self.processor.decode(list(ids))
+
+    def piece(self, index: int) -> str:  # such as '▁Hund'
+        return self.processor.id_to_piece(index)
+
+    def max_len(self, source_length: int) -> int:  # the longest output, <s> included
+        return int(MAX_LEN_A * source_length) + MAX_LEN_B

@@ -108,9 +108,15 @@ def add_tuned_decoding(record: dict, trained: dict, test, *, log=print) -> None:
     record["test_beam_translations"] = record["test"]["beam"]["hypotheses"]
 
 
-def check_results_path(path) -> Path:
-    """Refuse, before a run, a results path that is a folder or lies where nothing can be written."""
+def check_results_path(path, checkpoint_dir=None) -> Path:
+    """Refuse, before a run, a results path that is a folder, lies where nothing can be
+    written, or is or lies in the run's folder ``checkpoint_dir``."""
     path = Path(path)
+    run = None if checkpoint_dir is None else Path(checkpoint_dir).resolve()
+    if run is not None and (path.resolve() == run or run in path.resolve().parents):
+        raise ValueError(f"the results file {path} would lie in the run folder "
+                         f"{checkpoint_dir}, which holds that run's files only: write "
+                         "the results elsewhere")
     if path.is_dir():
         raise ValueError(f"the results path {path} is a folder: name a file, such as {path / 'results.json'}")
     existing = next(folder for folder in [path.parent, *path.parent.parents] if folder.exists())
@@ -124,7 +130,7 @@ def record_experiment(config, checkpoint_dir, *, results_path=None, device=None,
     """``run_experiment(config, checkpoint_dir, **options)``, its record (with the sweep if ``config.sweep``),
     written to ``results_path`` if given; returns (record, trained). The file leaves out the hypotheses."""
     if results_path is not None:
-        check_results_path(results_path)
+        check_results_path(results_path, checkpoint_dir)
     started, device = time.perf_counter(), get_device(device)
     test_scores, trained = run_experiment(config, checkpoint_dir, device=device, log=log, **options)
     test = load_split("test")[: config.test_limit]

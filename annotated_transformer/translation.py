@@ -15,14 +15,16 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from annotated_transformer.beam_search import TokenIds, translate, translate_ids
+from annotated_transformer.beam_search import MAX_ALPHA, translate, translate_ids
 from annotated_transformer.checkpoints import (
-    average_checkpoints, check_run_folder, checkpoint_problem, list_checkpoints, load_checkpoint,
-    load_latest_checkpoint, model_from_checkpoint, save_checkpoint, write_atomically,
+    average_checkpoints, checkpoint_problem, list_checkpoints, load_latest_checkpoint,
+    load_model_state, model_from_checkpoint, run_folder, save_checkpoint,
+    write_atomically,
 )
 from annotated_transformer.data import (
-    BOS_ID, EOS_ID, PAD_ID, SPLITS, EpochBatches, collate, encode_pairs, load_split, load_tokenizer,
-    tokenizer_from_tensor, tokenizer_to_tensor, train_tokenizer,
+    BOS_ID, EOS_ID, PAD_ID, SPLITS, TASK, TOKENIZER_FILE, EpochBatches, SentencePieces,
+    checkpoint_tokenizer, collate, encode_pairs, load_split, load_tokenizer,
+    tokenizer_digest, tokenizer_to_tensor, train_tokenizer, write_tokenizer,
 )
 from annotated_transformer.masks import padding_mask, target_mask
 from annotated_transformer.model import EMBEDDING_INITS, make_model
@@ -93,8 +95,9 @@ def check_settings(config: TranslationConfig) -> None:
     if config.eval_every % config.checkpoint_every:
         raise ValueError(f"eval_every ({config.eval_every}) must be a multiple of checkpoint_every "
                          f"({config.checkpoint_every}): validation happens at checkpoints")
-    if not (math.isfinite(config.length_penalty) and config.length_penalty >= 0):
-        raise ValueError(f"length_penalty must be a finite number >= 0, got {config.length_penalty!r}")
+    if not 0 <= config.length_penalty <= MAX_ALPHA:  # beam search's range; not nan, inf
+        raise ValueError(f"length_penalty must lie in [0, {MAX_ALPHA:g}], "
+                         f"got {config.length_penalty!r}")
     if config.profile not in ("quick", "laptop", "full"):
         raise ValueError(f"profile must be 'quick', 'laptop' or 'full', got {config.profile!r}")
 
@@ -128,32 +131,6 @@ def translation_config(profile: str | None = None, **overrides) -> TranslationCo
     return replace(PROFILES[name], **{key: value for key, value in overrides.items() if value is not None})
 
 
-MAX_LEN_A, MAX_LEN_B = 1.2, 10
-
-
-class SentencePieces:
-    """The tokenizer interface of the beam search chapter for a SentencePiece model (``processor``)."""
-
-    def __init__(self, processor):
-        self.processor = processor
-        self.pad, self.start, self.end = PAD_ID, BOS_ID, EOS_ID
-        self.vocab_size = processor.get_piece_size()
-
-    def encode(self, text: str) -> list[int]:
-        """The source ids of ``text``: its pieces, then </s>."""
-        return self.processor.encode(text) + [EOS_ID]
-
-    def decode(self, ids) -> str:
-        """The text of an output's pieces (without <s> and </s>)."""
-        return self.processor.decode(list(ids))
-
-    def piece(self, index: int) -> str:  # such as '▁Hund'
-        return self.processor.id_to_piece(index)
-
-    def max_len(self, source_length: int) -> int:  # the longest output, <s> included
-        return int(MAX_LEN_A * source_length) + MAX_LEN_B
-
-
 def prepare_data(config: TranslationConfig):
     """(tokenizer, training examples, validation examples) for ``config``; the tokenizer sees all training pairs."""
     train_pairs = load_split("train")
@@ -183,37 +160,12 @@ def validation_loss(model: nn.Module, examples, max_tokens: int = 4096, *, shuff
     return total / count
 
 
-TASK, TOKENIZER_FILE = "multi30k", "tokenizer.model"
-
-
 def save_translator(path, model: nn.Module, tokenizer: SentencePieces, *, step: int = 0,
                     extra: dict | None = None) -> Path:
     """Save a checkpoint that holds the model, its configuration and its tokenizer (readable with weights_only)."""
     return save_checkpoint(path, model=model, step=step, extra={
-        "task": TASK, "tokenizer": tokenizer_to_tensor(tokenizer.processor), **(extra or {})})
-
-
-def checkpoint_tokenizer(checkpoint: dict, path=None):
-    """The tokenizer of a checkpoint's task: ``TokenIds`` (copy task) or ``SentencePieces`` (Multi30k); ``path``,
-    the checkpoint's file, lets an intermediate ``step_*.pt`` find the ``tokenizer.model`` beside it."""
-    extra, vocab = checkpoint.get("extra") or {}, (checkpoint.get("config") or {}).get("tgt_vocab")
-    beside = None if path is None else Path(path).parent / TOKENIZER_FILE
-    task = extra.get("task") or (TASK if beside is not None and beside.exists() else "copy")
-    if task == "copy":
-        return TokenIds(vocab)
-    if task != TASK:
-        raise ValueError(f"no tokenizer is known for the checkpoint's task {task!r} (known: ['copy', '{TASK}'])")
-    if extra.get("tokenizer") is not None:
-        processor = tokenizer_from_tensor(extra["tokenizer"])
-    elif beside is not None and beside.exists():
-        processor = load_tokenizer(beside)
-    else:
-        raise ValueError(f"{path or 'the checkpoint'} holds no tokenizer and there is no {TOKENIZER_FILE} beside "
-                         "it: use the averaged model average.pt, which holds its tokenizer")
-    if processor.get_piece_size() != vocab:
-        raise ValueError(f"the tokenizer has {processor.get_piece_size()} pieces but the model's vocabulary has "
-                         f"{vocab}: they do not belong together")
-    return SentencePieces(processor)
+        "task": TASK, "tokenizer": tokenizer_to_tensor(tokenizer.processor),
+        "tokenizer_sha256": tokenizer_digest(tokenizer.processor), **(extra or {})})
 
 
 def load_translator(path, device=None):
@@ -238,45 +190,75 @@ def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None,
     device = get_device(device)
     precision = choose_precision(device, amp)  # a refusal comes before any work
     log(f"precision: {precision}")
-    folder, done = open_run_folder(checkpoint_dir, resume, config)
-    seed_everything(config.seed)
-    tokenizer, train_examples, valid_examples = prepare_data(config)
+    tokenizer, train_examples, valid_examples = prepare_data(config)  # before a folder
     if not train_examples:
         raise ValueError(f"no training pair is at most max_len={config.max_len} pieces long")
-    keep_tokenizer(folder, tokenizer, resume)
-    model, optimizer, scheduler, loss_fn = build_translator(config, tokenizer.vocab_size, device)
-    batches = EpochBatches(train_examples, config.max_tokens, seed=config.seed)
-    valid = train_with_validation(model, batches, valid_examples, config, folder,
-                                  done=done, device=device, amp=precision,
-                                  progress=progress, log=log, optimizer=optimizer,
-                                  scheduler=scheduler, loss_fn=loss_fn)
-    _, last = load_latest_checkpoint(folder)
-    averaged = average_last_checkpoints(model, folder, valid_examples, config, log=log)
-    history = last["extra"].get("history", {})
-    path = save_translator(folder / "average.pt", model, tokenizer, step=last["step"],
-                           extra={"averaged": averaged["averaged"], "history": history,
-                                  "valid": valid, "precision": precision.name})
+    with run_folder(checkpoint_dir, run_settings(config), resume=resume) as folder:
+        checkpoint = resumed_checkpoint(folder, resume, config)
+        keep_tokenizer(folder, tokenizer, checkpoint, log=log)
+        seed_everything(config.seed)
+        model, optimizer, scheduler, loss_fn = build_translator(
+            config, tokenizer.vocab_size, device)
+        if checkpoint:  # its weights, in case its validation loss is missing
+            load_model_state(model, checkpoint)
+        batches = EpochBatches(train_examples, config.max_tokens, seed=config.seed)
+        extra = {"task": TASK, "settings": run_settings(config),  # in every checkpoint
+                 "tokenizer_sha256": tokenizer_digest(tokenizer.processor)}
+        valid = train_with_validation(model, batches, valid_examples, config, folder,
+                                      checkpoint=checkpoint, extra=extra, device=device,
+                                      amp=precision, progress=progress, log=log,
+                                      optimizer=optimizer, scheduler=scheduler,
+                                      loss_fn=loss_fn)
+        _, last = load_latest_checkpoint(folder)
+        averaged = average_last_checkpoints(model, folder, valid_examples, config,
+                                            log=log)
+        history = last["extra"].get("history", {})
+        path = save_translator(folder / "average.pt", model, tokenizer,
+                               step=last["step"], extra={
+                                   "averaged": averaged["averaged"], "history": history,
+                                   "valid": valid, "precision": precision.name})
     return dict(model=model.eval(), tokenizer=tokenizer, history=history, valid=valid, checkpoint=path,
                 precision=precision.name,
                 train_examples=len(train_examples), train_seconds=last["extra"].get("train_seconds", 0.0),
                 parameters=sum(p.numel() for p in model.parameters()), **averaged)
 
 
-def open_run_folder(checkpoint_dir, resume: bool, config: TranslationConfig) -> tuple[Path, int]:
-    """(the run's folder, the step to go on from): ``check_run_folder`` refuses, before any work, a folder that
-    cannot hold this run (not writable, another run's, nothing to resume); a resumed run uses its newest intact
-    checkpoint."""
-    folder = check_run_folder(checkpoint_dir, asdict(config), resume=resume)
+UNRECORDED = ("steps", "test_limit", "beam_size", "length_penalty", "sweep", "profile")
+
+
+def run_settings(config: TranslationConfig) -> dict:
+    """The settings that make a run's checkpoints what they are: all but those of its
+    final evaluation and ``steps``, which a resumed run may raise."""
+    return {key: value for key, value in asdict(config).items()
+            if key not in UNRECORDED}
+
+
+def resumed_checkpoint(folder: Path, resume: bool, config: TranslationConfig):
+    """The newest intact checkpoint of ``folder`` for a resumed run (None if new), whose
+    step ``config.steps`` must reach (``run_folder`` checked the settings)."""
     _, checkpoint = load_latest_checkpoint(folder) if resume else (None, None)
-    return folder, checkpoint["step"] if checkpoint else 0
+    if checkpoint and checkpoint["step"] > config.steps:
+        reached = checkpoint["step"]
+        raise ValueError(f"steps ({config.steps}) is below the step that the run in "
+                         f"{folder} reached ({reached}): resume with steps >= it")
+    return checkpoint
 
 
-def keep_tokenizer(folder: Path, tokenizer: SentencePieces, resume: bool) -> None:
-    """Write ``tokenizer.model`` beside the checkpoints; a resumed run must have the same tokenizer."""
-    proto, path = tokenizer.processor.serialized_model_proto(), folder / TOKENIZER_FILE
-    if resume and path.exists() and path.read_bytes() != proto:
-        raise ValueError(f"{path} is not the tokenizer of this configuration: resume with the same settings")
-    path.write_bytes(proto)
+def keep_tokenizer(folder: Path, tokenizer: SentencePieces, checkpoint, *, log=print):
+    """Write ``tokenizer.model`` beside the checkpoints (atomically); a resumed run must
+    have the tokenizer its checkpoints name, and a damaged copy is written again."""
+    path, digest = folder / TOKENIZER_FILE, tokenizer_digest(tokenizer.processor)
+    recorded = checkpoint and checkpoint["extra"].get("tokenizer_sha256")
+    if recorded and recorded != digest:
+        raise ValueError(f"the checkpoints in {folder} were trained with another "
+                         "tokenizer than these settings make: resume with the same "
+                         "settings and data")
+    if checkpoint and path.is_file() and tokenizer_digest(path) != digest:
+        if not recorded:  # written before checkpoints named their tokenizer
+            raise ValueError(f"{path} is not the tokenizer of these settings: resume "
+                             "with the same settings, or delete it if it is damaged")
+        log(f"{path} was damaged: it is written again")
+    write_tokenizer(path, tokenizer.processor)
 
 
 def build_translator(config: TranslationConfig, vocab: int, device):
@@ -290,29 +272,44 @@ def build_translator(config: TranslationConfig, vocab: int, device):
     return model, optimizer, scheduler, LabelSmoothing(vocab, PAD_ID, config.smoothing)
 
 
-def train_with_validation(model: nn.Module, batches, valid_examples, config: TranslationConfig, folder: Path, *,
-                          done: int, device, amp, progress: bool, log, **training) -> dict:
-    """Train from step ``done`` to ``config.steps`` in chunks of ``eval_every`` steps (``training``: optimizer,
-    scheduler, loss_fn), each followed by the validation loss; return that curve (kept in valid.json)."""
-    valid_file, valid = folder / "valid.json", {"step": [], "loss": []}
+def train_with_validation(model: nn.Module, batches, valid_examples,
+                          config: TranslationConfig, folder: Path, *, checkpoint=None,
+                          extra=None, device, amp, progress: bool, log,
+                          **training) -> dict:
+    """Train from ``checkpoint``'s step (or 0) to ``config.steps`` in chunks of
+    ``eval_every`` steps (``training``: optimizer, scheduler, loss_fn), each followed by
+    the validation loss; return that curve (in valid.json, and with ``extra`` in each
+    checkpoint)."""
+    valid_file, points = folder / "valid.json", {}
+    done = checkpoint["step"] if checkpoint else 0
     if done and valid_file.exists():
         try:  # bad JSON or UTF-8, or lists of different lengths: ValueError; another structure: KeyError, TypeError
             history = json.loads(valid_file.read_text(encoding="utf-8"))
-            pairs = list(zip(history["step"], history["loss"], strict=True))
-            valid = {"step": [int(step) for step, _ in pairs], "loss": [float(loss) for _, loss in pairs]}
+            pairs = zip(history["step"], history["loss"], strict=True)
+            points = {int(step): float(loss) for step, loss in pairs}
         except (ValueError, KeyError, TypeError):
             raise ValueError(f"{valid_file} is damaged (not a history of validation steps and losses): delete it "
                              f"to resume without the earlier validation losses") from None
+    stored = (checkpoint or {}).get("extra", {}).get("valid") or {"step": []}
+    points = {**dict(zip(stored["step"], stored.get("loss", []))), **points}
     steps, every = config.steps, config.eval_every
+    ends = [*range(every, steps, every), steps]
+    if done in ends and done not in points:  # stopped between checkpoint and validation
+        points[done] = validation_loss(model, valid_examples)
+    kept = sorted(step for step in points if step <= done)  # none beyond it
+    valid = {"step": kept, "loss": [points[step] for step in kept]}
+    if done:
+        text = json.dumps(valid)
+        write_atomically(valid_file, lambda stream: stream.write(text), mode="w")
     # One progress bar for the whole run (its ETA is the run's); validation lines are printed above it.
     bar = tqdm(total=steps, initial=done, desc="train", disable=not progress, mininterval=1.0, dynamic_ncols=True)
     say = bar.write if progress and log is print else log  # print above the bar, not through it
-    for end in [*range(every, steps, every), steps]:
-        if end <= done:
-            continue
+    for end in [end for end in ends if end > done]:
         train(model, batches, steps=end, accumulation_steps=config.accumulation_steps, clip_norm=config.clip_norm,
               device=device, amp=amp, checkpoint_dir=folder, checkpoint_every=config.checkpoint_every,
-              keep_last=config.average, resume=done > 0, progress=bar if progress else False, **training)
+              keep_last=config.average, resume=done > 0,
+              progress=bar if progress else False,
+              extra={**(extra or {}), "valid": valid}, **training)
         done = end
         loss = validation_loss(model, valid_examples)
         valid["step"].append(end)

@@ -310,6 +310,26 @@ def test_read_lines_errors_name_the_file_and_line(tmp_path):
         read_lines(tmp_path / "damaged.de.gz")
 
 
+def test_read_lines_drops_a_byte_order_mark_at_the_start_only(tmp_path):
+    text = "\ufeffEin Hund.\n\ufeffZwei Katzen.\n"
+    (tmp_path / "bom.de").write_text(text, encoding="utf-8")
+    with gzip.open(tmp_path / "bom.de.gz", "wt", encoding="utf-8") as stream:
+        stream.write(text)
+    for name in ("bom.de", "bom.de.gz"):
+        assert read_lines(tmp_path / name) == ["Ein Hund.", "\ufeffZwei Katzen."]  # a mark inside a file is text
+
+
+def test_evaluate_scores_a_reference_with_a_byte_order_mark_as_without(tmp_path):
+    from annotated_transformer.translation import bleu
+
+    references = ["A dog runs in the park.", "Two men are talking."]
+    (tmp_path / "src.de").write_text("\ufeffEin Hund rennt.\nZwei Männer reden.\n", encoding="utf-8")
+    (tmp_path / "ref.en").write_text("\ufeff" + "".join(r + "\n" for r in references), encoding="utf-8")
+    pairs = list(zip(read_lines(tmp_path / "src.de"), read_lines(tmp_path / "ref.en")))  # as evaluate reads them
+    assert pairs[0] == ("Ein Hund rennt.", references[0])
+    assert bleu(references, [english for _, english in pairs])[0].score == pytest.approx(100.0)
+
+
 # ---------------------------------------------------------------- tokenizer
 
 
@@ -338,6 +358,58 @@ def test_tokenizer_is_cached_by_content_and_settings(tokenizer, train_pairs, cac
     assert path.parent == cache / "tokenizers"
     other = train_tokenizer(train_pairs[:2000], vocab_size=500)
     assert other != path and "500" in other.name
+
+
+@needs_data
+@pytest.mark.parametrize("damage", ["cut off", "not a model", "empty", "another size"])
+def test_a_bad_cached_tokenizer_is_trained_again_with_a_warning(train_pairs, tmp_path, damage):
+    pairs = train_pairs[:500]
+    path = train_tokenizer(pairs, vocab_size=300, directory=tmp_path)
+    good = path.read_bytes()
+    other = train_tokenizer(pairs, vocab_size=200, directory=tmp_path / "other").read_bytes()
+    path.write_bytes({"cut off": good[: len(good) // 2], "not a model": b"<html>", "empty": b"",
+                      "another size": other}[damage])
+    with pytest.warns(UserWarning, match="the tokenizer cache held a bad file .*: training it again"):
+        assert train_tokenizer(pairs, vocab_size=300, directory=tmp_path) == path
+    assert path.read_bytes() == good                          # the same text and settings make the same file
+    assert load_tokenizer(path).get_piece_size() == 300
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, "other"])  # no scratch file left
+
+
+@needs_data
+@pytest.mark.parametrize("size, message", [(9, r"at least (\d+)"), (100_000, r"at most (\d+)")])
+def test_vocabulary_sizes_beyond_sentencepieces_limits_are_refused_with_the_limit(train_pairs, tmp_path, size,
+                                                                                 message):
+    pairs = train_pairs[:500]
+    with pytest.raises(ValueError, match=r"vocab_size must be " + message + r" for this text.*got " + str(size)) as e:
+        train_tokenizer(pairs, vocab_size=size, directory=tmp_path)
+    limit = int(__import__("re").search(message, str(e.value))[1])
+    assert load_tokenizer(train_tokenizer(pairs, vocab_size=limit, directory=tmp_path)).get_piece_size() == limit
+    assert not list(tmp_path.glob(f"*-{size}-*"))
+
+
+@needs_data
+def test_training_removes_old_leftovers_of_killed_trainings_from_the_cache(train_pairs, tmp_path):
+    old_folder, old_file = tmp_path / "tmpab12cd34", tmp_path / ".joint-bpe-300-0123.model.x1y2z3w4.tmp"
+    new_folder, mine = tmp_path / "tmpfresh000", tmp_path / "tmpnotes"
+    for folder in (old_folder, new_folder, mine):
+        folder.mkdir()
+        (folder / "corpus.txt").write_text("Ein Hund.\n")
+    (mine / "notes.txt").write_text("a folder of the user's, not a scratch folder")
+    old_file.write_bytes(b"half a model")
+    hour_ago = time.time() - 3700
+    for path in (old_folder, old_file, mine):
+        os.utime(path, (hour_ago, hour_ago))
+    with pytest.warns(UserWarning, match="removed 2 leftover"):
+        train_tokenizer(train_pairs[:300], vocab_size=200, directory=tmp_path)
+    assert not old_folder.exists() and not old_file.exists()
+    assert new_folder.exists() and mine.exists()        # possibly a live training's; not a scratch folder
+
+
+def test_a_damaged_tokenizer_file_is_refused_by_name(tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError, match="tokenizer.model cannot be read as a SentencePiece model: it is damaged"):
+        load_tokenizer(tmp_path / "tokenizer.model")
 
 
 def test_train_tokenizer_refuses_bad_arguments(tmp_path):

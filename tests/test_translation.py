@@ -92,8 +92,10 @@ def test_config_profiles_and_overrides():
         translation_config("quick", d_model=66)
     with pytest.raises(ValueError, match="train_limit must be a positive integer"):
         translation_config("quick", train_limit=0)
-    with pytest.raises(ValueError, match="length_penalty"):
-        translation_config("quick", length_penalty=-0.1)
+    for alpha in (-0.1, 10.5, 1000.0, 1e308, float("nan"), float("inf")):  # 1000 overflowed in beam search
+        with pytest.raises(ValueError, match=r"length_penalty must lie in \[0, 10\]"):
+            translation_config("quick", length_penalty=alpha)
+    assert translation_config("quick", length_penalty=10.0).length_penalty == 10.0
     with pytest.raises(ValueError, match="smoothing must lie in"):
         TranslationConfig(**dict(asdict(PROFILES["quick"]), smoothing=1.0))
     with pytest.raises(TypeError, match="max_tokens must be an int"):
@@ -407,8 +409,9 @@ def run_validation_chunks(folder, *, done, steps=30, monkeypatch):
     losses = iter([4.0, 3.0, 2.0])
     monkeypatch.setattr(translation, "validation_loss", lambda model, examples: next(losses))
     config = translation_config("quick", **dict(TINY, steps=steps, eval_every=10))
-    return translation.train_with_validation(None, None, None, config, folder, done=done, device="cpu", amp=False,
-                                             progress=False, log=lambda message: None)
+    return translation.train_with_validation(None, None, None, config, folder, checkpoint={"step": done, "extra": {}}
+                                             if done else None, device="cpu", amp=False, progress=False,
+                                             log=lambda message: None)
 
 
 @pytest.mark.parametrize("content", ['{"step": [10, 20], "loss": [4.1', "", '{"step": [10, 20], "loss": [4.1]}',
@@ -420,8 +423,8 @@ def test_a_damaged_valid_json_is_refused_by_name_before_training(tmp_path, monke
     monkeypatch.setattr(translation, "train", lambda *args, **kwargs: pytest.fail("trained on a damaged history"))
     config = translation_config("quick", **TINY)
     with pytest.raises(ValueError, match=r"valid\.json is damaged .*delete it") as error:
-        translation.train_with_validation(None, None, None, config, tmp_path, done=20, device="cpu", amp=False,
-                                          progress=False, log=lambda message: None)
+        translation.train_with_validation(None, None, None, config, tmp_path, checkpoint={"step": 20, "extra": {}},
+                                          device="cpu", amp=False, progress=False, log=lambda message: None)
     assert str(tmp_path / "valid.json") in str(error.value)
 
 
