@@ -27,6 +27,9 @@ def attention(query, key, value, mask=None, dropout=None):
     """
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not tensor.is_floating_point():  # integer weights would round to 0
+            raise TypeError(f"{name} must be floating point, got {tensor.dtype}")
     d_k, dtype = query.size(-1), query.dtype
     if dtype in (torch.float16, torch.bfloat16):           # 16 bits: scores and softmax in float32
         query, key = query.float(), key.float()

@@ -18,6 +18,7 @@ from annotated_transformer.runtime import as_int, evaluating
 
 
 LENGTH_PENALTIES = ("gnmt", "simple", "none")
+MAX_ALPHA = 10.0  # the largest alpha: far beyond any tuned one, and lp stays finite
 
 
 def length_penalty_factor(length, alpha=0.6, kind="gnmt"):
@@ -56,6 +57,8 @@ def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, beam_si
     """
     beam_size, n_best = as_int(beam_size, "beam_size"), as_int(n_best, "n_best")   # 2.5 is a TypeError
     check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalty)
+    if src.size(0) == 0:  # no sentences: no hypotheses
+        return []
     batch, k, device = src.size(0), beam_size, src.device
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)   # row b * k + j: beam j of sentence b
     if src_mask is not None:                                           # None: every source position is visible
@@ -104,8 +107,9 @@ def check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalt
         raise ValueError(f"max_len must be an int >= 2 (the start symbol and one token), got {max_len!r}")
     if src.dim() != 2 or src.size(1) == 0:
         raise ValueError(f"src must have shape (batch, length >= 1), got {tuple(src.shape)}")
-    if length_penalty < 0:
-        raise ValueError(f"length_penalty (alpha) must be >= 0, got {length_penalty}")
+    alpha = length_penalty  # at most MAX_ALPHA
+    if not (isinstance(alpha, (int, float)) and 0 <= alpha <= MAX_ALPHA):  # and not NaN
+        raise ValueError(f"length_penalty must be in [0, {MAX_ALPHA:g}], got {alpha!r}")
     length_penalty_factor(1, length_penalty, penalty)  # validates the kind
 
 

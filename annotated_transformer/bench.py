@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import sys
 
@@ -110,12 +111,17 @@ def format_tables(results: dict) -> str:
     return "\n".join(lines)
 
 
+MAX_THREADS_PER_CPU = 4  # the most threads `--threads` may ask for, per CPU
+
+
 def run(smoke: bool = False, device=None, sections=SECTIONS, json_path=None, threads: int | None = None,
         compile: bool = False, clock: str = "wall") -> int:
     """The ``bench`` command: run the ``sections``, print their tables, save them to ``json_path`` if given."""
     if threads is not None:
-        if threads < 1:
-            raise SystemExit(f"--threads must be at least 1, got {threads}")
+        most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)  # far more would only thrash
+        if not 1 <= threads <= most:  # (and 100,000 threads crash PyTorch's pool)
+            raise SystemExit(f"error: --threads must be from 1 to {most} "
+                             f"({MAX_THREADS_PER_CPU} per CPU), got {threads}")
         torch.set_num_threads(threads)
     try:
         device = get_device(device)

@@ -8,10 +8,13 @@ import argparse
 import contextlib
 import importlib
 import math
+import os
 import sys
-import tempfile
 from dataclasses import fields
 from pathlib import Path
+
+from annotated_transformer.download import (check_output, decode_lines, os_error_line,
+                                            read_parallel, read_stream)
 
 
 def checked(kind, allowed, expected: str):
@@ -33,6 +36,10 @@ positive_number = checked(float, lambda value: math.isfinite(value) and value > 
 non_negative_number = checked(float, lambda value: math.isfinite(value) and value >= 0, "a finite number >= 0")
 probability = checked(float, lambda value: 0 <= value < 1, "a probability in [0, 1)")
 seed_int = checked(int, lambda value: 0 <= value < 2**32, "an integer in [0, 2**32)")
+alpha = checked(float, lambda value: 0 <= value <= 10, "a length penalty in [0, 10]")
+MOST_THREADS = 4 * (os.cpu_count() or 1)  # as the benchmark harness allows: 4 per CPU
+thread_count = checked(int, lambda value: 1 <= value <= MOST_THREADS,
+                       f"a thread count from 1 to {MOST_THREADS} (4 per CPU)")
 
 
 def device(text: str) -> str:
@@ -57,31 +64,27 @@ class Choices:
         return iter(sorted(values) if self.sort else values)  # and `in` looks through them
 
 
-# The options naming a place that a command writes to: (what it writes there, whether it is a folder of files).
 OUTPUTS = {"checkpoint_dir": ("checkpoints", True), "results": ("the results", False),
            "output": ("the translations", False), "json": ("the results", False)}
 
 
-def check_output(path, option: str, what: str, *, folder: bool = False) -> None:
-    """Refuse a place where ``what`` cannot be written, in a ValueError naming the ``option``."""
-    path = Path(path)
-    if path.exists() and not (path.is_dir() if folder else path.is_file()):
-        raise ValueError(f"{path} is {'a file, not a folder' if folder else 'not a file'} ({option})")
-    place = next((p for p in ([path] if folder else []) + list(path.parents) if p.exists()), Path.cwd())
-    reason = None if place.is_dir() else f"{place} is a file"  # missing folders are made when it is written
-    try:
-        if reason is None:
-            tempfile.TemporaryFile(dir=place).close()
-    except OSError as error:
-        reason = f"no file can be made in {place} ({error.strerror})"
-    if reason is not None:
-        raise ValueError(f"cannot write {what} to {path} ({option}): {reason}")
+INPUTS = {"checkpoint", "input", "source", "reference", "root"}  # the files read
+
+
+def check_places(args) -> None:
+    """Refuse an empty path, and a place that cannot take what is written there."""
+    for dest, value in vars(args).items():
+        option = "--" + dest.replace("_", "-")
+        if dest in OUTPUTS and value is not None:
+            check_output(value, option, OUTPUTS[dest][0], folder=OUTPUTS[dest][1])
+        elif value == "" and dest in INPUTS:
+            raise ValueError(f"{option} is an empty path")
 
 
 def add_tangle(subparsers) -> None:
     parser = subparsers.add_parser("tangle", help="regenerate (or --check) the package from the book",
                                    description="Tangle the book's chapters into the annotated_transformer package.")
-    parser.add_argument("--root", type=Path, default=None, help="the repository (default: found automatically)")
+    parser.add_argument("--root", help="the repository (default: found automatically)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 naming every stale, missing or orphan module")
     parser.set_defaults(run=run_tangle)
@@ -93,14 +96,11 @@ def run_tangle(args) -> int:
     return run(check=args.check, root=args.root)
 
 
-TASKS = ["copy", "multi30k"]
-
-
 def add_train(subparsers) -> None:
-    parser = subparsers.add_parser("train", help="train a model (tasks: " + ", ".join(TASKS) + ")", description=(
+    parser = subparsers.add_parser("train", help=COMMANDS["train"][0], description=(
         "Train a Transformer. Sizes left out come from the profile. Run under torchrun (torchrun --nproc-per-node=N "
         "-m annotated_transformer train ...) to train on several GPUs with DistributedDataParallel."))
-    parser.add_argument("--task", choices=TASKS, default="copy",
+    parser.add_argument("--task", choices=["copy", "multi30k"], default="copy",
                         help="what to train: 'copy' copies random sequences; 'multi30k' is the German-to-English "
                              "translator of the translation chapter (default: copy)")
     parser.add_argument("--profile", choices=["quick", "laptop", "full", "auto"], default=None,
@@ -157,6 +157,9 @@ def task_settings(args, settings, *, also=()) -> dict:
 
 
 def run_train(args) -> int:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):  # torchrun's; a user may set them
+        if not os.environ.get(name, "0").isdigit():
+            raise ValueError(f"${name} must be a whole number: {os.environ[name]!r}")
     return run_translation_train(args) if args.task == "multi30k" else run_copy_train(args)
 
 
@@ -174,6 +177,7 @@ def run_copy_train(args) -> int:
 
     from annotated_transformer.checkpoints import latest_checkpoint
     from annotated_transformer.decoding import copy_accuracy
+    from annotated_transformer.positional import PositionalEncoding
     from annotated_transformer.trainer import CopyConfig, copy_config, distributed_context, train_copy_task
 
     saving = {k: v for k, v in vars(args).items() if k in ("checkpoint_every", "keep_last") and v is not None}
@@ -183,6 +187,9 @@ def run_copy_train(args) -> int:
     if args.profile == "laptop":
         raise ValueError("--profile laptop is a profile of --task multi30k; the copy task has quick and full")
     config = copy_config(args.profile, **settings)
+    if config.seq_len > (positions := PositionalEncoding.__init__.__defaults__[-1]):
+        raise ValueError(f"--seq-len {config.seq_len} is beyond the positional table "
+                         f"({positions} positions): give at most {positions}")
     model, history = train_copy_task(config, device=args.device, amp=amp_choice(args),
                                      checkpoint_dir=args.checkpoint_dir,
                                      resume=args.resume, progress=args.progress, **saving)
@@ -192,7 +199,7 @@ def run_copy_train(args) -> int:
         accuracy = copy_accuracy(model, vocab=config.vocab, seq_len=config.seq_len)
         print(f"copy exact-match (greedy, 1000 held-out sequences): {accuracy:.1%}")
         if args.checkpoint_dir is not None:
-            print(f"checkpoint: {latest_checkpoint(args.checkpoint_dir)}")
+            print(f"checkpoint: {latest_checkpoint(args.checkpoint_dir, intact=True)}")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
@@ -215,7 +222,7 @@ def add_translation_train_options(parser) -> None:
     group.add_argument("--valid-limit", type=positive_int, help="validation loss on the first N validation pairs only")
     group.add_argument("--test-limit", type=positive_int, help="BLEU on the first N test pairs only")
     group.add_argument("--beam-size", type=positive_int, help="beam size for the final evaluation")
-    group.add_argument("--length-penalty", type=non_negative_number, help="length penalty alpha of beam search")
+    group.add_argument("--length-penalty", type=alpha, help="beam search's alpha")
     group.add_argument("--sweep", action=argparse.BooleanOptionalAction, help="also tune beam size and alpha on valid")
     group.add_argument("--results", help="write the results (JSON) to this file")
 
@@ -242,15 +249,14 @@ def run_translation_train(args) -> int:
 
 
 def add_bench(subparsers) -> None:
-    help_line = "benchmark training, attention, decoding and the layers of Table 1"
-    parser = subparsers.add_parser("bench", help=help_line, description=(
+    parser = subparsers.add_parser("bench", help=COMMANDS["bench"][0], description=(
         "Benchmark the package: training against nn.Transformer, attention, decoding, Table 1's layers."))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: a fast check that everything runs")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps or auto (default: AT_DEVICE or auto)")
     parser.add_argument("--only", nargs="+", choices=Choices("bench", "SECTIONS"), metavar="SECTION",
                         help="run only these sections (%(choices)s; default: all)")
     parser.add_argument("--json", metavar="PATH", help="also save the results as JSON")
-    parser.add_argument("--threads", type=positive_int, help="PyTorch's number of CPU threads")
+    parser.add_argument("--threads", type=thread_count, help="CPU threads for PyTorch")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models in the training section")
     timing = parser.add_argument_group("timing")
     timing.add_argument("--clock", choices=Choices("measure", "CLOCKS", sort=True), default="wall",
@@ -267,7 +273,7 @@ def run_bench(args) -> int:
 
 
 def add_translate(subparsers) -> None:
-    help_line = "translate sentences with a trained model (greedy or beam search)"
+    help_line = COMMANDS["translate"][0]
     parser = subparsers.add_parser("translate", help=help_line, description=(
         "Read one sentence per line (from --input or standard input) and write one translation per line to standard "
         "output; an empty line gives an empty line. For a copy-task checkpoint a sentence is token ids: '3 4 5'."))
@@ -278,7 +284,7 @@ def add_translate(subparsers) -> None:
     decoding.add_argument("--beam-size", type=positive_int, default=4, help="beam size; 1 is greedy (default: 4)")
     decoding.add_argument("--max-len", type=at_least(2), help="longest output, start symbol counted (default: by task)")
     decoding.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded at once (default: 32)")
-    decoding.add_argument("--length-penalty", type=non_negative_number, default=0.6,
+    decoding.add_argument("--length-penalty", type=alpha, default=0.6,
                           help="alpha of the length penalty (default: 0.6, as in the paper)")
     decoding.add_argument("--penalty", choices=Choices("beam_search", "LENGTH_PENALTIES"), default="gnmt",
                           help="length penalty: gnmt ((5+|Y|)/6)^alpha, simple |Y|^alpha, none (default: gnmt)")
@@ -293,7 +299,10 @@ def run_translate(args) -> int:
 
     model, checkpoint = model_from_checkpoint(args.checkpoint, device=args.device)
     tokenizer = checkpoint_tokenizer(checkpoint, args.checkpoint)
-    lines = read_standard_input() if args.input is None else read_lines(args.input)
+    if args.input is None and sys.stdin is None:  # closed (`<&-`)
+        raise ValueError("standard input is closed: give --input, or pipe sentences in")
+    lines = (read_stream(args.input, read_lines) if args.input is not None
+             else decode_lines(sys.stdin.buffer, "standard input"))
     if not lines:
         raise ValueError(f"{args.input or 'standard input'} is empty: there is nothing to translate")
     outputs = translate_lines(model, tokenizer, lines, beam_size=args.beam_size, max_len=args.max_len,
@@ -303,26 +312,18 @@ def run_translate(args) -> int:
     return 0
 
 
-def read_standard_input() -> list[str]:
-    """The lines of standard input, without line ends; a line that is not UTF-8 raises a ValueError naming it."""
-    lines = []
-    for number, line in enumerate(sys.stdin.buffer, start=1):
-        try:
-            lines.append(line.decode("utf-8").rstrip("\r\n"))
-        except UnicodeDecodeError as error:
-            raise ValueError(f"line {number} of standard input is not UTF-8 text: {error.reason}") from None
-    return lines
+
 
 
 def add_evaluate(subparsers) -> None:
-    help_line = "BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split or a parallel test set"
+    help_line = COMMANDS["evaluate"][0]
     parser = subparsers.add_parser("evaluate", help=help_line, description=(
         "Translate a Multi30k split, or any German-English parallel test set (--source and --reference), with a "
         "checkpoint of 'train --task multi30k'; print corpus BLEU (detokenised, cased) and lower-cased BLEU, each "
         "with its sacreBLEU signature."))
     parser.add_argument("--checkpoint", required=True, help="a translation checkpoint (average.pt, or step_*.pt)")
     parser.add_argument("--beam-size", type=positive_int, default=1, help="1 for greedy search (default: 1)")
-    parser.add_argument("--length-penalty", type=non_negative_number, default=0.6, help="beam alpha (default: 0.6)")
+    parser.add_argument("--length-penalty", type=alpha, default=0.6, help="alpha (0.6)")
     parser.add_argument("--batch-size", type=positive_int, default=100, help="sentences at once (default: 100)")
     parser.add_argument("--device", type=device, help="cpu, cuda, mps... (default: AT_DEVICE, else the best)")
     parser.add_argument("--output", help="also write the translations to this file, one per line")
@@ -335,34 +336,17 @@ def add_evaluate(subparsers) -> None:
     parser.set_defaults(run=run_evaluate)
 
 
-def read_parallel(source, reference) -> list[tuple[str, str]]:
-    """(German, English) pairs from two line-aligned files; refuse files of different lengths or empty lines."""
-    from annotated_transformer.data import read_lines
-
-    sources, references = read_lines(source), read_lines(reference)
-    if len(sources) != len(references):
-        raise ValueError(f"{source} has {len(sources)} lines but {reference} has {len(references)}: "
-                         "a parallel test set has one reference line per source line")
-    if not sources:
-        raise ValueError(f"{source} is empty: there is nothing to evaluate")
-    for number, (german, english) in enumerate(zip(sources, references), start=1):
-        if not german.strip():
-            raise ValueError(f"line {number} of {source} is empty: there is nothing to translate")
-        if not english.strip():
-            raise ValueError(f"line {number} of {reference} is empty: every source needs a reference")
-    return list(zip(sources, references))
-
-
 def run_evaluate(args) -> int:
     from annotated_transformer.checkpoints import write_atomically
-    from annotated_transformer.data import load_split
+    from annotated_transformer.data import load_split, read_lines
     from annotated_transformer.translation import evaluate_bleu, load_translator
 
     if (args.source is None) != (args.reference is None):
         raise ValueError("--source and --reference go together: give both files, or neither (for --split)")
     if args.source is not None and args.split is not None:
         raise ValueError("give either --split or --source and --reference, not both")
-    pairs = None if args.source is None else read_parallel(args.source, args.reference)
+    pairs = (None if args.source is None
+             else read_parallel(args.source, args.reference, read_lines))
     model, tokenizer, _ = load_translator(args.checkpoint, args.device)
     name = Path(args.source).name if args.source is not None else args.split or "test"
     pairs = (load_split(name) if pairs is None else pairs)[: args.limit]
@@ -401,20 +385,35 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+USER_ERRORS = (ValueError, OSError, MemoryError)  # caused by input or environment
+NO_MEMORY = ("can't allocate memory", "out of memory")  # the allocators' RuntimeErrors
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    command = next((arg for arg in argv if not arg.startswith("-")), "")
+    command, args = next((arg for arg in argv if not arg.startswith("-")), ""), None
+    if sys.stdout is None or sys.stderr is None:  # closed (`>&-`): nowhere to report
+        print("error: standard output is closed", file=sys.stderr or sys.stdout)
+        return 2
     try:
         args = build_parser(only=command if command in COMMANDS else "").parse_args(argv)
-        for dest, (what, folder) in OUTPUTS.items():
-            if vars(args).get(dest) is not None:
-                check_output(vars(args)[dest], "--" + dest.replace("_", "-"), what, folder=folder)
+        check_places(args)
         return args.run(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError) as error:
-        if isinstance(error, OSError) and error.filename is not None:
-            error = f"{error.filename}: {error.strerror}"
-        print(f"error: {error}", file=sys.stderr)
+    except (*USER_ERRORS, RuntimeError) as error:
+        memory = any(map(str(error).count, NO_MEMORY))  # the allocator's
+        if isinstance(error, RuntimeError) and not memory:
+            raise  # any other RuntimeError is a bug of ours
+        if isinstance(error, BrokenPipeError):  # `| head`: once, not again at exit
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        given = {k: v for k, v in vars(args or argparse.Namespace()).items() if v}
+        files = {f"{value} (--{dest.replace('_', '-')})": dest in OUTPUTS
+                 for dest, value in given.items() if dest in {*OUTPUTS, *INPUTS}}
+        message = os_error_line(error, files) if isinstance(error, OSError) else error
+        if isinstance(error, RuntimeError):
+            message = f"out of memory for the sizes asked for ({error})"
+        print("error: " + " ".join(str(message).splitlines()), file=sys.stderr)
         return 2

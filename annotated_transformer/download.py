@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import errno
 import os
+import re
 import tempfile
 import time
 import urllib.error
@@ -138,3 +140,85 @@ def fetch(name: str, directory: str | os.PathLike | None = None, url: str = MULT
             f"could not download {name} from {url}{name} ({error}); without a network, download it elsewhere "
             f"and put it in a folder named by {DATA_ENV}, or in {path.parent}"
         ) from error
+
+
+def decode_lines(stream, name: str) -> list[str]:
+    """The lines of a binary ``stream``, without a byte-order mark (as ``read_lines``);
+    a ValueError names a line that is not UTF-8."""
+    lines = []
+    for number, line in enumerate(stream, start=1):
+        try:
+            text = line.decode("utf-8").rstrip("\r\n")
+            lines.append(text.removeprefix("\ufeff") if number == 1 else text)
+        except UnicodeDecodeError as error:
+            raise ValueError(f"line {number} of {name} is not UTF-8 text: "
+                             f"{error.reason}") from None
+    return lines
+
+
+def read_stream(path, read_file) -> list[str]:
+    """The UTF-8 lines of a pipe, a FIFO or a device such as /dev/stdin, read once;
+    anything else (a file, a folder, nothing) is ``read_file(path)``'s."""
+    if not os.path.exists(path) or os.path.isfile(path) or os.path.isdir(path):
+        return read_file(path)
+    with open(path, "rb") as stream:
+        return decode_lines(stream, str(path))
+
+
+def read_parallel(source, reference, read_file) -> list[tuple[str, str]]:
+    """(German, English) pairs from two line-aligned files, read by ``read_stream``;
+    refuse files of different lengths or empty lines."""
+    sources = read_stream(source, read_file)
+    references = read_stream(reference, read_file)
+    if len(sources) != len(references):
+        raise ValueError(f"{source} has {len(sources)} lines but {reference} has "
+                         f"{len(references)}: a test set has a reference a source")
+    if not sources:
+        raise ValueError(f"{source} is empty: there is nothing to evaluate")
+    for number, (german, english) in enumerate(zip(sources, references), start=1):
+        if not german.strip():
+            raise ValueError(f"line {number} of {source} is empty")
+        if not english.strip():
+            raise ValueError(f"line {number} of {reference} is empty")
+    return list(zip(sources, references))
+
+
+def check_output(path, option: str, what: str, *, folder: bool = False) -> None:
+    """A ValueError naming ``option`` if ``what`` cannot be written to ``path``."""
+    if str(path) == "":
+        kind = "folder" if folder else "file"
+        raise ValueError(f"{option} is an empty path: name a {kind}")
+    path = Path(path)
+    if path.exists() and not (path.is_dir() if folder else path.is_file()):
+        kind = "a file, not a folder" if folder else "not a file"
+        raise ValueError(f"{path} is {kind} ({option})")
+    places = ([path] if folder else []) + list(path.parents)
+    place = next((p for p in places if p.exists()), Path.cwd())
+    reason = None if place.is_dir() else f"{place} is a file"  # the rest: made later
+    try:
+        if reason is None:
+            tempfile.TemporaryFile(dir=place).close()
+    except OSError as error:
+        reason = f"no file can be made in {place} ({error.strerror})"
+    if reason is not None:
+        raise ValueError(f"cannot write {what} to {path} ({option}): {reason}")
+
+
+WRITE_ERRORS = {getattr(errno, name, None)  # a full disk or quota, a closed pipe, ...
+                for name in ("ENOSPC", "EDQUOT", "EFBIG", "EPIPE", "EROFS")} - {None}
+
+
+def os_error_line(error: OSError, files: dict | None = None) -> str:
+    """``error`` in one line naming its file: the final name, not ``write_atomically``'s
+    temporary ``.NAME.xyz.tmp``; or, if it names none, ``files`` {file: written?}."""
+    files = files or {}
+    if error.filename is None and error.errno in WRITE_ERRORS:
+        where = ", ".join(name for name, written in files.items() if written)
+        return f"{error.strerror}, writing {where or 'standard output'}"
+    if error.filename is None and error.errno is not None:  # the system's, no file
+        return f"{error.strerror} (with {', '.join(files) or 'no file named'})"
+    if error.filename is None:
+        return str(error)  # our own, such as FileNotFoundError("no file at ...")
+    temporary = re.fullmatch(r"\.(.+)\.\w+\.tmp", Path(error.filename).name)
+    name = Path(error.filename).with_name(temporary[1]) if temporary else error.filename
+    return f"{name}: {error.strerror or error}"

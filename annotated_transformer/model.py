@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from torch import nn
@@ -65,6 +66,45 @@ class EncoderDecoder(nn.Module):
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
 
 
+POSIX = hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names  # memory known
+
+
+def check_model_arguments(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, *,
+                          norm_first, share_embeddings, embedding_init,
+                          attention_dropout, activation_dropout) -> None:
+    """Refuse the arguments of ``make_model`` that cannot build the model asked for."""
+    for name, value in (("src_vocab", src_vocab), ("tgt_vocab", tgt_vocab), ("N", N), ("d_model", d_model),
+                        ("d_ff", d_ff), ("h", h)):
+        check_size(name, value)
+    if d_model % h != 0:
+        raise ValueError(f"d_model ({d_model}) must be divisible by the number of heads h ({h})")
+    for name, value in (("dropout", dropout), ("attention_dropout", attention_dropout),
+                        ("activation_dropout", activation_dropout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
+    if embedding_init not in EMBEDDING_INITS:
+        raise ValueError(f"embedding_init must be one of {EMBEDDING_INITS}, got {embedding_init!r}")
+    flags = {"norm_first": norm_first, "share_embeddings": share_embeddings}
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):  # "False" is a true string: a silent pre-norm
+            kind = type(flag).__name__
+            raise TypeError(f"{name} must be True or False, got {kind} {flag!r}")
+    if share_embeddings and src_vocab != tgt_vocab:
+        raise ValueError(
+            f"share_embeddings=True needs one shared vocabulary, but src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
+        )
+    weights = (d_model * (src_vocab + 2 * tgt_vocab)
+               + N * d_model * (12 * d_model + 4 * d_ff))  # about what the layers hold
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if POSIX else None
+    if memory is not None and 4 * weights > memory:  # float32 weights alone
+        raise MemoryError(
+            f"the model asked for (src_vocab={src_vocab}, tgt_vocab={tgt_vocab}, "
+            f"N={N}, d_model={d_model}, d_ff={d_ff}) has about {weights:.2g} weights, "
+            f"more than this machine's memory ({memory / 2**30:.0f} GiB) can hold")
+
+
 def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048, h: int = 8,
                dropout: float = 0.1, *, norm_first: bool = False, share_embeddings: bool = False,
                embedding_init: str = "normal", attention_dropout: float | None = None,
@@ -79,25 +119,9 @@ def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d
     ``activation_dropout`` (inside the feed-forward network) default to it. The arguments are kept in
     ``model.config``.
     """
-    for name, value in (("src_vocab", src_vocab), ("tgt_vocab", tgt_vocab), ("N", N), ("d_model", d_model),
-                        ("d_ff", d_ff), ("h", h)):
-        check_size(name, value)
-    if d_model % h != 0:
-        raise ValueError(f"d_model ({d_model}) must be divisible by the number of heads h ({h})")
     attention_dropout = dropout if attention_dropout is None else attention_dropout
     activation_dropout = dropout if activation_dropout is None else activation_dropout
-    for name, value in (("dropout", dropout), ("attention_dropout", attention_dropout),
-                        ("activation_dropout", activation_dropout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
-    if embedding_init not in EMBEDDING_INITS:
-        raise ValueError(f"embedding_init must be one of {EMBEDDING_INITS}, got {embedding_init!r}")
-    if share_embeddings and src_vocab != tgt_vocab:
-        raise ValueError(
-            f"share_embeddings=True needs one shared vocabulary, but src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
-        )
+    check_model_arguments(**locals())
     c = copy.deepcopy
     attn = MultiHeadedAttention(h, d_model, attention_dropout)
     ff = PositionwiseFeedForward(d_model, d_ff, activation_dropout)

@@ -49,8 +49,8 @@ def get_device(name: str | torch.device | None = None) -> torch.device:
 
     ``name``, if given, or else the environment variable ``AT_DEVICE`` names a PyTorch device (``cpu``,
     ``cuda``, ``cuda:1``, ``mps``; in any case) or is ``auto``. ``auto``, an unset or an empty variable mean:
-    CUDA if available, then Apple MPS, then the CPU. Asking for a device that this machine lacks raises
-    ``ValueError``.
+    CUDA if available, then Apple MPS, then the CPU. Asking for a device this machine
+    lacks, or one the book does not run on (xpu, hpu, meta), raises ValueError.
     """
     if name is None:
         name = os.environ.get("AT_DEVICE", "")
@@ -75,6 +75,9 @@ def get_device(name: str | torch.device | None = None) -> torch.device:
                              f"{torch.cuda.device_count()} CUDA device(s)")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device {name!r} was asked for, but Apple MPS is not available on this machine")
+    if device.type not in ("cpu", "cuda", "mps"):  # xpu, hpu, meta (no data at all)...
+        raise ValueError(f"device {name!r} (the argument, or AT_DEVICE) is not one "
+                         "this book runs on: use cpu, cuda, cuda:N, mps or auto")
     return device
 
 

@@ -41,7 +41,15 @@ def read_chapter(path: Path, root: Path) -> Chapter:
     """Read a MyST chapter with jupytext and collect its `export` cells in order."""
     import jupytext
 
-    notebook = jupytext.read(path)
+    relative = path.relative_to(root).as_posix()
+    try:
+        notebook = jupytext.read(path)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{relative} is not UTF-8 text (byte {error.start + 1}: "
+                         f"{error.reason}); save it as UTF-8") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{relative}: its front matter is not valid YAML "
+                         f"({yaml_problem(error)})") from None
     module = notebook.metadata.get("tangle")
     api = notebook.metadata.get("api", [])
     title = next(
@@ -54,7 +62,7 @@ def read_chapter(path: Path, root: Path) -> Chapter:
         for cell in notebook.cells
         if cell.cell_type == "code" and EXPORT_TAG in cell.metadata.get("tags", [])
     ]
-    check_front_matter(path.relative_to(root).as_posix(), module, api, exported=bool(cells))
+    check_front_matter(relative, module, api, exported=bool(cells))
     return Chapter(path=path, title=title, module=module, cells=cells, api=list(api))
 
 
@@ -90,7 +98,11 @@ def chapter_paths(root: Path) -> list[Path]:
     toc_file = root / "_toc.yml"
     if not toc_file.exists():
         raise FileNotFoundError(f"no _toc.yml in {root}: is this the book's repository?")
-    toc = yaml.safe_load(toc_file.read_text(encoding="utf-8"))
+    try:
+        toc = yaml.safe_load(toc_file.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        problem = "not UTF-8" if isinstance(error, ValueError) else yaml_problem(error)
+        raise ValueError(f"{toc_file} is no table of contents ({problem})") from None
     files: list[str] = []
 
     def walk(node):
@@ -111,9 +123,18 @@ def chapter_paths(root: Path) -> list[Path]:
         path = root / name
         if path.suffix == "":
             path = path.with_suffix(".md")
-        if path.suffix == ".md" and path.exists():
+        if path.suffix == ".md" and not path.is_file():
+            raise FileNotFoundError(f"_toc.yml lists {name}, but there is no {path}")
+        if path.suffix == ".md":
             paths.append(path)
     return paths
+
+
+def yaml_problem(error) -> str:
+    """A YAML error in one line: what is wrong, and where (``line 3, column 9``)."""
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{getattr(error, 'problem', None) or error}{where}"
 
 
 def render_module(chapter: Chapter, root: Path) -> str:

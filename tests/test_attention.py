@@ -682,3 +682,13 @@ def test_attention_in_16_bit_on_the_meta_device_keeps_shapes_and_dtype():
     out, weights = attention(q, q, q)
     assert out.shape == (2, 3, 5, 8) and weights.shape == (2, 3, 5, 5)
     assert out.dtype == weights.dtype == torch.float16
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.bool])
+@pytest.mark.parametrize("which", ["query", "key", "value"])
+def test_attention_rejects_integer_tensors(dtype, which):
+    """Issue 21 (defect 22): integer inputs used to give integer weights, rounded down to zeros."""
+    tensors = {"query": randn(1, 2, 4), "key": randn(1, 2, 4), "value": randn(1, 2, 4)}
+    tensors[which] = torch.ones(1, 2, 4, dtype=dtype)
+    with pytest.raises(TypeError, match=f"{which} must be floating point"):
+        attention(tensors["query"], tensors["key"], tensors["value"])

@@ -251,7 +251,11 @@ def test_results_are_sorted_and_typed():
     (dict(beam_size=0), "n_best"),
     (dict(beam_size=2, n_best=3), "n_best"),
     (dict(max_len=1), "max_len"),
-    (dict(length_penalty=-0.5), "alpha"),
+    (dict(length_penalty=-0.5), "length_penalty must be in"),
+    (dict(length_penalty=float("nan")), "length_penalty must be in"),  # issue 21: NaN and inf made ranking
+    (dict(length_penalty=float("inf")), "length_penalty must be in"),  # meaningless
+    (dict(length_penalty=1000.0), "length_penalty must be in"),  # and 1000 overflowed a float
+    (dict(length_penalty="0.6"), "length_penalty must be in"),
     (dict(penalty="average"), "length penalty kind"),
 ])
 def test_bad_arguments_are_refused(kwargs, match):
@@ -260,6 +264,20 @@ def test_bad_arguments_are_refused(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         beam_search(model, SRC, SRC_MASK, args.pop("max_len"), START, END, **args)
+
+
+def test_an_empty_batch_gives_an_empty_result():
+    """Issue 21 (defect 22): a batch of no sentences used to raise ZeroDivisionError."""
+    model = tiny_model(0)
+    src = torch.zeros((0, 5), dtype=torch.long)
+    assert beam_search(model, src, padding_mask(src, PAD), 5, START, END) == []
+    assert beam_search(model, src, None, 5, START, END, beam_size=2, n_best=2) == []
+
+
+def test_the_largest_length_penalty_stays_finite():
+    model = tiny_model(0)
+    hyps = beam_search(model, SRC, SRC_MASK, 8, START, END, length_penalty=10.0)
+    assert len(hyps) == 1 and all(torch.isfinite(torch.tensor(h.penalised)) for h in hyps[0])
 
 
 def test_empty_source_is_refused():

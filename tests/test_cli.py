@@ -263,6 +263,7 @@ def test_refusals_and_help_need_no_pytorch() -> None:
             "print('torch' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.stdout.split()[-6:] == ["0", "2", "2", "2", "2", "False"], done.stdout + done.stderr
-    for option in ("--factor", "--beam-size", "--limit", "--threads"):
+    for option in ("--factor", "--beam-size", "--limit"):
         assert f"error: argument {option}: expected a positive" in done.stderr
+    assert "error: argument --threads: expected a thread count from 1 to" in done.stderr
     assert "--split {test,train,valid}" in cli("evaluate", "--help").stdout

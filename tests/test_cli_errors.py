@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def usage(option: str, value: str, expected: str) -> str:
 
 
 POSITIVE, PROBABILITY = "a positive integer", "a probability in [0, 1)"
-FINITE, NON_NEGATIVE = "a positive finite number", "a finite number >= 0"
+FINITE, ALPHA = "a positive finite number", "a length penalty in [0, 10]"
+THREADS = f"a thread count from 1 to {4 * (os.cpu_count() or 1)} (4 per CPU)"
 
 # (name, command line, what standard error must hold, standard input)
 CASES = [
@@ -101,9 +103,9 @@ CASES = [
     # train --task multi30k: its own settings
     ("train-limit-negative", multi30k("--train-limit", "-5"), usage("--train-limit", "-5", POSITIVE), None),
     ("train-limit-zero", multi30k("--train-limit", "0"), usage("--train-limit", "0", POSITIVE), None),
-    ("length-penalty-negative", multi30k("--length-penalty", "-1"), usage("--length-penalty", "-1", NON_NEGATIVE),
+    ("length-penalty-negative", multi30k("--length-penalty", "-1"), usage("--length-penalty", "-1", ALPHA),
      None),
-    ("length-penalty-nan", multi30k("--length-penalty", "nan"), usage("--length-penalty", "nan", NON_NEGATIVE), None),
+    ("length-penalty-nan", multi30k("--length-penalty", "nan"), usage("--length-penalty", "nan", ALPHA), None),
     ("beam-size-zero", multi30k("--beam-size", "0"), usage("--beam-size", "0", POSITIVE), None),
     ("beam-size-fraction", multi30k("--beam-size", "2.5"), usage("--beam-size", "2.5", POSITIVE), None),
     ("vocab-size-zero", multi30k("--vocab-size", "0"), usage("--vocab-size", "0", POSITIVE), None),
@@ -143,9 +145,9 @@ CASES = [
     ("translate-batch-size-zero", translate("--batch-size", "0"), usage("--batch-size", "0", POSITIVE), None),
     ("translate-max-len-one", translate("--max-len", "1"), usage("--max-len", "1", "an integer >= 2"), None),
     ("translate-length-penalty-negative", translate("--length-penalty", "-1"),
-     usage("--length-penalty", "-1", NON_NEGATIVE), None),
+     usage("--length-penalty", "-1", ALPHA), None),
     ("translate-length-penalty-infinite", translate("--length-penalty", "inf"),
-     usage("--length-penalty", "inf", NON_NEGATIVE), None),
+     usage("--length-penalty", "inf", ALPHA), None),
     ("translate-missing-checkpoint", ["translate", "--checkpoint", "missing.pt"], "no checkpoint at missing.pt", b""),
     ("translate-input-a-folder", translate("--input", "a_folder"), "a_folder is a folder", None),
     ("translate-stdin-not-utf8", translate(), "line 2 of standard input is not UTF-8", b"3 4\n\xe4 5\n"),
@@ -154,7 +156,7 @@ CASES = [
     ("evaluate-limit-zero", evaluate("--limit", "0"), usage("--limit", "0", POSITIVE), None),
     ("evaluate-limit-negative", evaluate("--limit", "-1"), usage("--limit", "-1", POSITIVE), None),
     ("evaluate-length-penalty-negative", evaluate("--length-penalty", "-1"),
-     usage("--length-penalty", "-1", NON_NEGATIVE), None),
+     usage("--length-penalty", "-1", ALPHA), None),
     ("evaluate-batch-size-zero", evaluate("--batch-size", "0"), usage("--batch-size", "0", POSITIVE), None),
     ("evaluate-output-under-a-file", evaluate("--output", "a_file.txt/out.txt"),
      "error: cannot write the translations to a_file.txt/out.txt (--output): a_file.txt is a file", None),
@@ -163,7 +165,7 @@ CASES = [
      "(--output): no file can be made in /proc", None),
     ("evaluate-copy-checkpoint", evaluate(), "copy.pt holds no tokenizer", None),
     # bench
-    ("bench-threads-zero", bench("--threads", "0"), usage("--threads", "0", POSITIVE), None),
+    ("bench-threads-zero", bench("--threads", "0"), usage("--threads", "0", THREADS), None),
     ("bench-json-under-a-file", bench("--json", "a_file.txt/bench.json"),
      "error: cannot write the results to a_file.txt/bench.json (--json): a_file.txt is a file", None),
     ("bench-json-a-folder", bench("--json", "a_folder"), "error: a_folder is not a file (--json)", None),
@@ -171,11 +173,44 @@ CASES = [
     ("tangle-root-not-a-book", ["tangle", "--check", "--root", "a_folder"], "a_folder does not hold the book", None),
     ("tangle-root-missing", ["tangle", "--check", "--root", "missing"], "missing does not hold the book", None),
     ("tangle-unknown-option", ["tangle", "--dry-run"], "unrecognized arguments: --dry-run", None),
+    # issue 21: empty paths are refused by name (`--checkpoint-dir ''` used to write here, others named `.`)
+    ("checkpoint-dir-empty", train("--checkpoint-dir", ""), "error: --checkpoint-dir is an empty path", None),
+    ("results-empty", multi30k("--results", ""), "error: --results is an empty path", None),
+    ("evaluate-output-empty", evaluate("--output", ""), "error: --output is an empty path", None),
+    ("bench-json-empty", bench("--json", ""), "error: --json is an empty path", None),
+    ("translate-checkpoint-empty", ["translate", "--checkpoint", ""], "error: --checkpoint is an empty path", None),
+    ("translate-input-empty-path", translate("--input", ""), "error: --input is an empty path", None),
+    ("evaluate-source-empty-path", evaluate("--source", "", "--reference", "en.txt"),
+     "error: --source is an empty path", None),
+    ("evaluate-reference-empty-path", evaluate("--source", "de.txt", "--reference", ""),
+     "error: --reference is an empty path", None),
+    ("tangle-root-empty", ["tangle", "--check", "--root", ""], "error: --root is an empty path", None),
+    # issue 21: a length penalty that overflows (1000, 1e308) or is not a number; threads that crash PyTorch
+    ("translate-length-penalty-huge", translate("--length-penalty", "1000"),
+     usage("--length-penalty", "1000", ALPHA), None),
+    ("length-penalty-huge", multi30k("--length-penalty", "1e308"), usage("--length-penalty", "1e308", ALPHA), None),
+    ("evaluate-length-penalty-nan", evaluate("--length-penalty", "nan"), usage("--length-penalty", "nan", ALPHA),
+     None),
+    ("bench-threads-too-many", bench("--threads", "100000"),
+     usage("--threads", "100000", THREADS), None),
+    # issue 21: devices that PyTorch knows but this book cannot use
+    ("device-meta", train("--device", "meta"), "is not one this book runs on", None),
+    ("translate-device-xpu", translate("--device", "xpu"), "is not one this book runs on", None),
+    ("evaluate-device-hpu", evaluate("--device", "hpu"), "is not one this book runs on", None),
+    # issue 21: refused before training, leaving no run folder (the fixture checks that nothing was written)
+    ("copy-seq-len-beyond-the-table", train("--seq-len", "5001", "--checkpoint-dir", "run"),
+     "--seq-len 5001 is beyond the positional table (5000 positions)", None),
+    ("copy-vocab-beyond-memory", train("--vocab", "1000000000000"), "(src_vocab=1000000000000, tgt_vocab", None),
+    ("copy-batch-beyond-memory", ["train", "--batch-size", "1000000000000", "--profile", "quick", "--d-model", "16",
+                                  "--layers", "1", "--no-progress", "--steps", "1"],
+     "error: out of memory for the sizes asked for", None),
+    ("translate-input-unreadable", translate("--input", "/proc/self/mem"), "/proc/self/mem (--input))", None),
 ]
 SKIP = {  # the cases this machine cannot pose (they are not run: each would train), with the reason
     **{name: "no /proc here" for name in ("checkpoint-dir-system-folder", "results-system-folder",
                                           "evaluate-output-system-folder") if not PROC},
     **({"checkpoint-dir-read-only": "root may write in a folder without write permission"} if ROOT_USER else {}),
+    **({} if PROC else {"translate-input-unreadable": "no /proc here"}),
 }
 
 # The same checks through `main` in this process, for more refusals that come from a command's run.
@@ -310,3 +345,123 @@ def test_ctrl_c_stops_a_run_with_status_130_and_no_traceback(tmp_path) -> None:
         process.kill()
     assert process.returncode == 130, stderr.decode()
     assert b"Traceback" not in stderr and b"interrupted\n" in stderr
+
+
+# --- issue 21: the environment, closed streams, pipes, and the line between a user's error and a bug ------------
+
+
+def shell(place: Path, argv: list[str], redirect: str = "", env: dict | None = None, stdin: bytes = b"",
+          ) -> subprocess.CompletedProcess:
+    """Run the command line as a shell would, with a ``redirect`` such as ``<&-`` (standard input closed)."""
+    command = f'exec "$@" {redirect}'
+    return subprocess.run(["sh", "-c", command, "sh", sys.executable, "-m", "annotated_transformer", *argv],
+                          cwd=place, input=stdin, capture_output=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "RANK", "LOCAL_RANK"])
+def test_a_bad_torchrun_variable_is_named(place, variable) -> None:
+    result = shell(place, train(), env={variable: "abc"})
+    check_refusal(result.returncode, result.stdout.decode(), result.stderr.decode(),
+                  f"${variable} must be a whole number: 'abc'")
+
+
+def test_at_device_meta_is_one_line(place) -> None:
+    result = shell(place, translate(), env={"AT_DEVICE": "meta"}, stdin=b"3 4\n")
+    check_refusal(result.returncode, result.stdout.decode(), result.stderr.decode(), "is not one this book runs on")
+
+
+def test_a_closed_standard_input_is_one_line(place) -> None:
+    result = shell(place, translate(), redirect="<&-")
+    check_refusal(result.returncode, result.stdout.decode(), result.stderr.decode(), "standard input is closed")
+
+
+def test_a_closed_standard_output_is_one_line(place) -> None:
+    result = shell(place, translate("--input", "a_file.txt"), redirect=">&-")
+    assert result.returncode == 2 and result.stdout == b""
+    assert result.stderr.decode().strip() == "error: standard output is closed"
+
+
+def test_a_closed_pipe_is_one_line(place) -> None:
+    """`translate ... | head -0`: the reader has gone; one line, and no second complaint at exit."""
+    lines = b"".join(b"3 4 5\n" for _ in range(20000))
+    result = subprocess.run(["bash", "-c", 'set -o pipefail; "$@" | head -c 0', "sh", sys.executable, "-m",
+                             "annotated_transformer", *translate("--beam-size", "1", "--batch-size", "1000")],
+                            cwd=place, input=lines, capture_output=True, timeout=300)
+    stderr = result.stderr.decode()
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    assert stderr == "" or stderr.strip() == "error: Broken pipe, writing standard output", stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_pipes_fifos_and_dev_stdin_are_read(place, tmp_path) -> None:
+    """Issue 21 (defect 7): `--input <(...)`, a FIFO and /dev/stdin used to be refused as "no file at"."""
+    substitution = subprocess.run(
+        ["bash", "-c", 'exec "$@" --input <(printf "3 4 5\\n")', "sh", sys.executable, "-m", "annotated_transformer",
+         *translate("--beam-size", "1")], cwd=place, capture_output=True, timeout=300)
+    assert substitution.returncode == 0, substitution.stderr.decode()
+    assert len(substitution.stdout.decode().split()) == 3
+    piped = shell(place, translate("--beam-size", "1", "--input", "/dev/stdin"), stdin=b"3 4\n5 6 7\n")
+    assert piped.returncode == 0, piped.stderr.decode()
+    assert [len(line.split()) for line in piped.stdout.decode().splitlines()] == [2, 3]
+    marked = shell(place, translate("--beam-size", "1"), stdin=b"\xef\xbb\xbf3 4\n")  # a byte-order mark
+    assert marked.returncode == 0 and len(marked.stdout.split()) == 2, marked.stderr.decode()
+    fifo = tmp_path / "sentences"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(b"3 4\n5 6 7 8\n"))
+    writer.start()
+    result = shell(place, translate("--beam-size", "1", "--input", str(fifo)))
+    writer.join()
+    assert result.returncode == 0, result.stderr.decode()
+    assert [len(line.split()) for line in result.stdout.decode().splitlines()] == [2, 4]
+    missing = shell(place, translate("--input", "/dev/fd/99"))
+    check_refusal(missing.returncode, missing.stdout.decode(), missing.stderr.decode(), "no file at /dev/fd/99")
+
+
+@pytest.mark.parametrize("bug", [KeyError("config"), TypeError("unsupported operand"), AttributeError("x"),
+                                 RuntimeError("expected scalar type Float but found Double"), ZeroDivisionError()])
+def test_a_bug_of_ours_keeps_its_traceback(monkeypatch, bug) -> None:
+    """What a user's input or environment causes is one line; anything else is a bug, which must not be hidden."""
+    import annotated_transformer.cli as cli
+
+    def broken(args):
+        raise bug
+
+    monkeypatch.setattr(cli, "run_tangle", broken)
+    with pytest.raises(type(bug)):
+        main(["tangle", "--check"])
+
+
+@pytest.mark.parametrize("error, expected", [
+    (ValueError("bad value\nsecond line"), "error: bad value second line"),
+    (MemoryError("the model (src_vocab=9) has about"), "error: the model (src_vocab=9) has about"),
+    (OSError(28, "No space left on device"), "error: No space left on device, writing standard output"),
+    (OSError(28, "No space left on device", "run/.average.pt.ab12cd.tmp"),
+     "error: run/average.pt: No space left on device"),
+    (OSError(5, "Input/output error"), "error: Input/output error (with no file named)"),
+    (FileNotFoundError("no file at x.txt"), "error: no file at x.txt"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 80000000000000 bytes."),
+     "error: out of memory for the sizes asked for ([enforce fail at alloc_cpu.cpp:127] err == 0. "
+     "DefaultCPUAllocator: can't allocate memory: you tried to allocate 80000000000000 bytes.)"),
+])
+def test_a_users_error_is_one_line_naming_the_place(monkeypatch, capsys, error, expected) -> None:
+    import annotated_transformer.cli as cli
+
+    def failing(args):
+        raise error
+
+    monkeypatch.setattr(cli, "run_tangle", failing)
+    assert main(["tangle", "--check"]) == 2
+    assert capsys.readouterr().err == expected + "\n"
+
+
+def test_a_full_disk_without_a_file_names_the_places_written(monkeypatch, capsys, tmp_path) -> None:
+    import annotated_transformer.cli as cli
+
+    def full(args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli, "run_bench", full)
+    assert main(["bench", "--smoke", "--json", str(tmp_path / "b.json")]) == 2
+    assert capsys.readouterr().err == f"error: No space left on device, writing {tmp_path / 'b.json'} (--json)\n"

@@ -346,3 +346,21 @@ def test_cuda_bf16_autocast_forward_runs():
     assert torch.isfinite(log_probs).all()
     torch.testing.assert_close(log_probs.float().exp().sum(-1), torch.ones(2, 6, device="cuda"), atol=1e-2, rtol=0)
     assert (log_probs.float() - reference).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("name", ["norm_first", "share_embeddings"])
+@pytest.mark.parametrize("value", ["False", "True", 0, 1, None])
+def test_make_model_flags_must_be_bools(name, value):
+    """Issue 21 (defect 22): norm_first="False" used to build a pre-norm model (a non-empty string is true)."""
+    with pytest.raises(TypeError, match=f"{name} must be True or False"):
+        make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, **{name: value})
+
+
+def test_make_model_refuses_sizes_beyond_memory_naming_them():
+    """Issue 21 (defect 17): a vocabulary of 10**12 used to end in the allocator's RuntimeError."""
+    import os
+
+    if not (hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names):
+        pytest.skip("this system does not tell its memory")
+    with pytest.raises(MemoryError, match=r"src_vocab=1000000000000, tgt_vocab=11, N=1, d_model=16"):
+        make_model(10**12, 11, N=1, d_model=16, d_ff=32, h=2)

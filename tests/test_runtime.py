@@ -258,3 +258,13 @@ def test_seed_makes_cuda_randn_reproducible(clean_environment):
     first = torch.randn(1000, device="cuda")
     seed_everything(3)
     assert torch.equal(first, torch.randn(1000, device="cuda"))
+
+
+@pytest.mark.parametrize("other", ["meta", "xpu", "hpu", "XPU:0"])
+def test_devices_this_book_does_not_run_on_are_refused(monkeypatch, no_accelerator, other):
+    """Issue 21 (defect 11): PyTorch knows these device types, but the book cannot train or decode on them."""
+    with pytest.raises(ValueError, match="not one this book runs on"):
+        get_device(other)
+    monkeypatch.setenv("AT_DEVICE", other)
+    with pytest.raises(ValueError, match="AT_DEVICE"):
+        get_device()

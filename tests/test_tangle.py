@@ -368,3 +368,24 @@ def test_the_tangler_parses_no_arguments_itself_and_its_script_still_works(synce
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2 and "does not hold the book" in result.stderr
     assert tangle.run(check=True, root=synced) == 0  # the function the command calls, with plain arguments
+
+
+# --- a broken book: one line naming the file (issue 21, defect 21) --------------------------------------------
+
+
+@pytest.mark.parametrize("breakage, expected", [
+    (lambda root: (root / "_toc.yml").write_text("parts: [\n", encoding="utf-8"), "_toc.yml is no table of contents"),
+    (lambda root: (root / "_toc.yml").write_bytes(b"root: book/intro\n# \xe4\n"), "_toc.yml is no table of contents"),
+    (lambda root: (root / "book/model.md").write_text("---\ntangle: [a\n---\n# x\n", encoding="utf-8"),
+     "book/model.md: its front matter is not valid YAML"),
+    (lambda root: (root / "book/model.md").write_bytes(b"---\ntangle: a\n---\n# \xe4\n"),
+     "book/model.md is not UTF-8 text"),
+    (lambda root: (root / "book/model.md").unlink(), "_toc.yml lists book/model, but there is no"),
+], ids=["toc-yaml", "toc-not-utf8", "front-matter-yaml", "chapter-not-utf8", "chapter-deleted"])
+def test_a_broken_book_is_one_line_naming_the_file(synced: Path, breakage, expected: str) -> None:
+    breakage(synced)
+    result = run_check(synced)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and expected in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "stale" not in result.stderr and "orphan" not in result.stderr
