@@ -312,9 +312,6 @@ def run_translate(args) -> int:
     return 0
 
 
-
-
-
 def add_evaluate(subparsers) -> None:
     help_line = COMMANDS["evaluate"][0]
     parser = subparsers.add_parser("evaluate", help=help_line, description=(
