@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoints import flip_bytes
 
 from annotated_transformer import checkpoints, trainer
 from annotated_transformer.checkpoints import (
@@ -62,14 +63,6 @@ def tiny_model(seed=0):
 def snapshot(folder: Path) -> dict:
     """{name: bytes} of every file in ``folder``: what a refused run must leave as it was."""
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
-
-
-def flip_bytes(path, offset, count=4):
-    with open(path, "r+b") as stream:
-        stream.seek(offset)
-        data = stream.read(count)
-        stream.seek(offset)
-        stream.write(bytes(byte ^ 0xFF for byte in data))
 
 
 def damage(path):

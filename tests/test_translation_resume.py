@@ -8,7 +8,6 @@ ANNOTATED_TRANSFORMER_DATA (or ../shared/datasets/multi30k), tokenizers in a tem
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -23,8 +22,8 @@ from annotated_transformer.download import DATA_ENV
 from annotated_transformer.records import record_experiment
 from annotated_transformer.translation import load_translator, run_settings, train_translator, translation_config
 
-ROOT = Path(__file__).resolve().parents[1]
-FOLDER = Path(os.environ.get(DATA_ENV) or ROOT.parent / "shared" / "datasets" / "multi30k")
+from test_translation import FOLDER, ROOT, environment  # noqa: F401 (a fixture: the data and a fresh cache)
+
 pytestmark = pytest.mark.skipif(not (FOLDER / "train.de.gz").exists(),
                                 reason=f"the Multi30k files are not available (set {DATA_ENV})")
 
@@ -32,15 +31,6 @@ TINY = dict(vocab_size=500, train_limit=2000, max_len=20, N=1, d_model=32, d_ff=
             max_tokens=600, steps=20, warmup=10, factor=0.5, checkpoint_every=5, average=2, eval_every=10,
             valid_limit=30, test_limit=4, beam_size=2)
 QUIET = dict(device="cpu", progress=False, log=lambda message: None)
-
-
-@pytest.fixture(scope="module")
-def environment(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ANNOTATED_TRANSFORMER_CACHE", str(cache))
-        patch.setenv(DATA_ENV, str(FOLDER))
-        yield cache
 
 
 @pytest.fixture(scope="module")
