@@ -189,18 +189,36 @@ def encode_pairs(pairs, tokenizer, max_len: int | None = None) -> list[tuple[lis
     return examples
 
 
-def pad_sequences(sequences: Sequence[Sequence[int]], pad: int = PAD_ID) -> torch.Tensor:
-    """A (len(sequences), longest) int64 tensor, each row a sequence followed by ``pad``."""
+def pad_sequences(sequences: Sequence[Sequence[int]], pad: int = PAD_ID, *,
+                  width: int | None = None) -> torch.Tensor:
+    """A (len(sequences), width) int64 tensor, each row a sequence followed by ``pad``;
+    ``width`` defaults to the longest sequence's length."""
     if len(sequences) == 0:
         raise ValueError("pad_sequences needs at least one sequence")
-    width = max(len(s) for s in sequences)
+    longest = max(len(s) for s in sequences)
+    width = longest if width is None else width
+    if width < longest:
+        raise ValueError(f"width={width} is shorter than the longest sequence ({longest})")
     return torch.tensor([list(s) + [pad] * (width - len(s)) for s in sequences], dtype=torch.long)
 
 
-def collate(examples, indices=None, pad: int = PAD_ID) -> Batch:
-    """The ``Batch`` of ``examples`` (or of ``examples[i] for i in indices``), padded with ``pad``."""
+def padded_lengths(source: int, target: int, multiple: int = 1) -> tuple[int, int]:
+    """The widths a (source, target) pair takes in a batch padded to ``multiple``.
+
+    The source is rounded up to a multiple; the target (``<s> ... </s>``) to a multiple
+    plus one, so that the decoder's input and labels, one token shorter, are multiples.
+    """
+    return -(-source // multiple) * multiple, -(-(target - 1) // multiple) * multiple + 1
+
+
+def collate(examples, indices=None, pad: int = PAD_ID, *, multiple: int = 1) -> Batch:
+    """The ``Batch`` of ``examples`` (or of ``examples[i] for i in indices``), padded with
+    ``pad`` (to the widths of :func:`padded_lengths` with ``multiple``)."""
     chosen = examples if indices is None else [examples[i] for i in indices]
-    return Batch(pad_sequences([s for s, _ in chosen], pad), pad_sequences([t for _, t in chosen], pad), pad)
+    sources, targets = [s for s, _ in chosen], [t for _, t in chosen]
+    width_s, width_t = padded_lengths(max(map(len, sources)), max(map(len, targets)), multiple)
+    return Batch(pad_sequences(sources, pad, width=width_s),
+                 pad_sequences(targets, pad, width=width_t), pad)
 
 
 class EpochBatches:
@@ -208,14 +226,19 @@ class EpochBatches:
 
     ``batches(i)`` is batch ``i % len(batches)`` of epoch ``i // len(batches)``; the shuffle of epoch ``e`` is
     seeded by ``(seed, e)``, so batch ``i`` is the same in every run. Every batch holds at most ``max_tokens``
-    padded tokens per side.
+    padded tokens per side. With ``multiple`` > 1 the lengths are padded as :func:`padded_lengths` says
+    (fewer distinct shapes, for ``torch.compile``), and the budget counts the padded lengths.
     """
 
-    def __init__(self, examples, max_tokens: int, seed: int = 0, pad: int = PAD_ID):
+    def __init__(self, examples, max_tokens: int, seed: int = 0, pad: int = PAD_ID, *,
+                 multiple: int = 1):
         if len(examples) == 0:
             raise ValueError("examples is empty")
+        if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+            raise ValueError(f"multiple must be a positive integer, got {multiple!r}")
         self.examples, self.max_tokens, self.seed, self.pad = examples, max_tokens, seed, pad
-        self.lengths = [(len(s), len(t)) for s, t in examples]
+        self.multiple = multiple
+        self.lengths = [padded_lengths(len(s), len(t), multiple) for s, t in examples]
         self._epoch, self._batches = None, None
         self.batches_per_epoch = len(self.epoch(0))
 
@@ -231,7 +254,7 @@ class EpochBatches:
 
     def __call__(self, index: int) -> Batch:
         epoch, position = divmod(index, self.batches_per_epoch)
-        return collate(self.examples, self.epoch(epoch)[position], self.pad)
+        return collate(self.examples, self.epoch(epoch)[position], self.pad, multiple=self.multiple)
 
 
 def tokenizer_to_tensor(tokenizer: spm.SentencePieceProcessor) -> torch.Tensor:

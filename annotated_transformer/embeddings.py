@@ -15,8 +15,10 @@ class Embeddings(nn.Module):
     """Token embeddings scaled by sqrt(d_model) (section 3.4 of the paper).
 
     ``forward(tokens)`` maps integer ids of shape ``(...)`` to vectors of shape ``(..., d_model)``:
-    ``lut(tokens) * sqrt(d_model)``. Ids outside ``[0, vocab)`` raise a ``ValueError`` for tensors on the CPU
-    (on a GPU the check would cost a synchronisation, and PyTorch reports such ids as a device-side assert).
+    ``lut(tokens) * sqrt(d_model)``. Ids outside ``[0, vocab)`` raise a ``ValueError``
+    for tensors on the CPU, in eager mode. The check is skipped on a GPU, where it would
+    cost a synchronisation (PyTorch reports such ids as a device-side assert), and while
+    ``torch.compile`` traces the model, where it would break the graph.
     """
 
     def __init__(self, d_model: int, vocab: int):
@@ -31,7 +33,8 @@ class Embeddings(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"tokens must be an integer tensor (torch.long or torch.int), got {tokens.dtype}")
-        if tokens.device.type == "cpu" and tokens.numel() > 0:
+        eager_cpu = tokens.device.type == "cpu" and not torch.compiler.is_compiling()
+        if eager_cpu and tokens.numel() > 0:  # where reading two numbers is free
             low, high = int(tokens.min()), int(tokens.max())
             if low < 0 or high >= self.vocab:
                 raise ValueError(

@@ -171,12 +171,15 @@ class LabelSmoothing(nn.Module):
 
 
 def check_target(target, size: int, padding_idx: int) -> None:
-    """Refuse targets that are not integer token ids in 0..size-1 (TypeError, ValueError): one min and max."""
+    """Refuse targets that are not integer token ids (TypeError) or, in eager mode on
+    the CPU, ids outside 0..size-1 (ValueError; one min and max, skipped where reading
+    them would cost a synchronisation or a graph break)."""
     if not isinstance(target, torch.Tensor) or target.dtype == torch.bool or target.is_floating_point() \
             or target.is_complex():
         kind = f"dtype {target.dtype}" if isinstance(target, torch.Tensor) else type(target).__name__
         raise TypeError(f"target must be a tensor of integer token ids, got {kind}")
-    if target.numel():
+    eager_cpu = target.device.type == "cpu" and not torch.compiler.is_compiling()
+    if eager_cpu and target.numel():
         low, high = torch.stack(torch.aminmax(target)).tolist()    # one small copy to the host
         if low < 0 or high >= size:
             raise ValueError(f"target holds token id {low if low < 0 else high}; ids must lie in 0..{size - 1} "

@@ -24,7 +24,7 @@ import torch
 from annotated_transformer import data, download
 from annotated_transformer.data import (
     BOS_ID, EOS_ID, PAD_ID, UNK_ID, EpochBatches, collate, encode_pairs, load_split, load_tokenizer, normalize,
-    pad_sequences, read_lines, tokenizer_from_tensor, tokenizer_to_tensor, train_tokenizer,
+    pad_sequences, padded_lengths, read_lines, tokenizer_from_tensor, tokenizer_to_tensor, train_tokenizer,
 )
 from annotated_transformer.download import DATA_ENV, MULTI30K_FILES, fetch
 
@@ -481,3 +481,48 @@ def test_epoch_batches_cover_each_example_once_per_epoch():
     assert not torch.equal(EpochBatches(examples, 200, seed=4)(0).src, batches(0).src)
     with pytest.raises(ValueError, match="empty"):
         EpochBatches([], 100)
+
+
+def test_pad_sequences_to_a_width_and_collate_to_a_multiple():
+    assert pad_sequences([[1, 2, 3], [4]], width=5).tolist() == [[1, 2, 3, 0, 0], [4, 0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="width=2 is shorter than the longest sequence \\(3\\)"):
+        pad_sequences([[1, 2, 3]], width=2)
+    assert [padded_lengths(s, t, 8) for s, t in ((1, 2), (8, 9), (9, 10), (3, 17))] == [
+        (8, 9), (8, 9), (16, 17), (8, 17)]
+    assert padded_lengths(5, 7) == (5, 7)
+    examples = [([5, 6, EOS_ID], [BOS_ID, 7, EOS_ID]), ([5, EOS_ID], [BOS_ID, 7, 8, 9, EOS_ID])]
+    plain, rounded = collate(examples), collate(examples, multiple=4)
+    assert rounded.src.shape == (2, 4) and rounded.tgt.shape == (2, 4) and rounded.tgt_y.shape == (2, 4)
+    assert torch.equal(rounded.src[:, :3], plain.src) and (rounded.src[:, 3] == PAD_ID).all()
+    assert torch.equal(rounded.tgt_y, plain.tgt_y) and rounded.ntokens == plain.ntokens
+    assert rounded.src_mask[:, 0, :3].tolist() == plain.src_mask[:, 0].tolist()
+    assert not rounded.src_mask[:, 0, 3].any()
+
+
+@pytest.mark.parametrize("multiple", [8, 16])
+def test_epoch_batches_rounded_to_a_multiple_keep_the_budget_and_have_fewer_shapes(multiple):
+    generator = torch.Generator().manual_seed(1)
+    sources = torch.randint(1, 40, (800,), generator=generator)  # targets of similar lengths
+    targets = (sources + torch.randint(-3, 4, (800,), generator=generator)).clamp(min=1)
+    examples = [([4] * n + [EOS_ID], [BOS_ID] + [5] * m + [EOS_ID])
+                for n, m in zip(sources.tolist(), targets.tolist())]
+    plain = EpochBatches(examples, max_tokens=400, seed=3)
+    rounded = EpochBatches(examples, max_tokens=400, seed=3, multiple=multiple)
+    shapes = {}
+    for name, epoch in (("plain", plain), ("rounded", rounded)):
+        batches = [epoch(i) for i in range(len(epoch))]
+        assert sorted(i for b in epoch.epoch(0) for i in b) == list(range(len(examples)))
+        for batch in batches:  # the budget counts the full target, one token longer than batch.tgt
+            assert batch.src.numel() <= 400 and len(batch) * (batch.tgt.size(1) + 1) <= 400
+        assert sum(b.ntokens for b in batches) == sum(len(t) - 1 for _, t in examples)
+        shapes[name] = {(tuple(b.src.shape), tuple(b.tgt.shape)) for b in batches}
+    for (src_shape, tgt_shape) in shapes["rounded"]:
+        assert src_shape[1] % multiple == 0 and tgt_shape[1] % multiple == 0
+    assert len(shapes["rounded"]) * 3 < len(shapes["plain"])
+    assert len(rounded) >= len(plain)  # more padding, so at least as many batches
+
+
+@pytest.mark.parametrize("multiple", [0, -8, 2.0, True, None])
+def test_epoch_batches_refuse_a_bad_multiple(multiple):
+    with pytest.raises(ValueError, match="multiple must be a positive integer"):
+        EpochBatches([([4, EOS_ID], [BOS_ID, 5, EOS_ID])], 100, multiple=multiple)

@@ -560,3 +560,29 @@ def test_train_help_documents_every_option():
         assert action.help, action.dest
         for option in action.option_strings:
             assert option in result.stdout, option
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_make_optimizer_uses_the_fused_kernel_on_the_cpu_and_matches_the_plain_loop(dtype):
+    torch.manual_seed(0)
+    model = make_model(23, 23, N=1, d_model=16, d_ff=32, h=2, share_embeddings=True).to(dtype)
+    fused_params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    loop_params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    fused = make_optimizer(fused_params)
+    loop = torch.optim.Adam(loop_params, lr=1.0, betas=(0.9, 0.98), eps=1e-9, foreach=False)
+    if torch.__version__ >= (2, 4):  # PyTorch's fused Adam runs on the CPU from 2.4 on
+        assert fused.defaults["fused"]
+    assert not loop.defaults["fused"]
+    for optimizer in (fused, loop):
+        optimizer.param_groups[0]["lr"] = 1e-3
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for a, b in zip(fused_params, loop_params):
+            a.grad = torch.randn(a.shape, generator=generator, dtype=dtype)
+            b.grad = a.grad.clone()
+        fused.step()
+        loop.step()
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-12
+    for a, b, start in zip(fused_params, loop_params, model.parameters()):
+        assert not torch.equal(a, start)
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=0)
