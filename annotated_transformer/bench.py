@@ -120,15 +120,12 @@ def run(smoke: bool = False, device=None, sections=SECTIONS, json_path=None, thr
     if threads is not None:
         most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)  # far more would only thrash
         if not 1 <= threads <= most:  # (and 100,000 threads crash PyTorch's pool)
-            raise SystemExit(f"error: --threads must be from 1 to {most} "
+            raise ValueError(f"--threads must be from 1 to {most} "
                              f"({MAX_THREADS_PER_CPU} per CPU), got {threads}")
         torch.set_num_threads(threads)
-    try:
-        device = get_device(device)
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from None
+    device = get_device(device)  # a ValueError: one line from the command line's main
     if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
-        raise SystemExit("error: --clock cpu needs --device cpu and one thread (--threads 1)")
+        raise ValueError("--clock cpu needs --device cpu and one thread (--threads 1)")
     results = run_benchmarks(device, smoke=smoke, sections=tuple(sections), compile=compile, clock=clock)
     results["meta"]["command"] = command_line()
     print(format_tables(results))

@@ -339,9 +339,12 @@ def check_run_folder(directory, config: dict | None, *, resume=False) -> Path:
         raise ValueError(f"{folder} already holds {', '.join(what)}: the files of a "
                          "run; resume that run (--resume), or use another folder")
     if not found:
-        if resume is True:
+        if resume is True and (not others or "average.pt" in others):
             only = f" (only {', '.join(others)})" if others else ""
             raise FileNotFoundError(f"{folder} holds no checkpoint to resume{only}")
+        if resume is True:  # stopped before its first checkpoint: from step 0
+            warnings.warn(f"{folder} holds no checkpoint, only {', '.join(others)}: "
+                          "the run stopped before its first one, and starts again")
         return folder
     path, checkpoint = load_latest_checkpoint(folder, warn=False)
     stored = {**checkpoint["config"], **(checkpoint["extra"] or {}).get("settings", {})}

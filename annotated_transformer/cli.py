@@ -9,11 +9,14 @@ import contextlib
 import importlib
 import math
 import os
+import signal
 import sys
+import threading
+import warnings
 from dataclasses import fields
 from pathlib import Path
 
-from annotated_transformer.download import (check_output, decode_lines, os_error_line,
+from annotated_transformer.download import (check_places, decode_lines, error_line,
                                             read_parallel, read_stream)
 
 
@@ -32,6 +35,9 @@ def at_least(low: int):
 
 
 positive_int, non_negative_int = at_least(1), at_least(0)
+MOST_STEPS = 10**9  # years of training on one GPU: a larger count is a typo
+step_count = checked(int, lambda value: 1 <= value <= MOST_STEPS,
+                     f"a positive integer up to {MOST_STEPS:,}")
 positive_number = checked(float, lambda value: math.isfinite(value) and value > 0, "a positive finite number")
 non_negative_number = checked(float, lambda value: math.isfinite(value) and value >= 0, "a finite number >= 0")
 probability = checked(float, lambda value: 0 <= value < 1, "a probability in [0, 1)")
@@ -64,23 +70,6 @@ class Choices:
         return iter(sorted(values) if self.sort else values)  # and `in` looks through them
 
 
-OUTPUTS = {"checkpoint_dir": ("checkpoints", True), "results": ("the results", False),
-           "output": ("the translations", False), "json": ("the results", False)}
-
-
-INPUTS = {"checkpoint", "input", "source", "reference", "root"}  # the files read
-
-
-def check_places(args) -> None:
-    """Refuse an empty path, and a place that cannot take what is written there."""
-    for dest, value in vars(args).items():
-        option = "--" + dest.replace("_", "-")
-        if dest in OUTPUTS and value is not None:
-            check_output(value, option, OUTPUTS[dest][0], folder=OUTPUTS[dest][1])
-        elif value == "" and dest in INPUTS:
-            raise ValueError(f"{option} is an empty path")
-
-
 def add_tangle(subparsers) -> None:
     parser = subparsers.add_parser("tangle", help="regenerate (or --check) the package from the book",
                                    description="Tangle the book's chapters into the annotated_transformer package.")
@@ -106,14 +95,16 @@ def add_train(subparsers) -> None:
     parser.add_argument("--profile", choices=["quick", "laptop", "full", "auto"], default=None,
                         help="sizes: quick (a CPU, about a minute), laptop (--task multi30k only: a real translator "
                              "on a laptop CPU), full (a GPU) or auto (full with CUDA); default: AT_PROFILE")
-    parser.add_argument("--steps", type=positive_int, help="optimiser steps in total (default: by profile)")
+    parser.add_argument("--steps", type=step_count,
+                        help="optimiser steps in total (default: by profile)")
     parser.add_argument("--accumulation-steps", type=positive_int, help="micro-batches per optimiser step (default: 1)")
     parser.add_argument("--layers", type=positive_int, help="encoder and decoder layers N (default: by profile)")
     parser.add_argument("--d-model", type=positive_int, help="model width d_model (default: by profile)")
     parser.add_argument("--d-ff", type=positive_int, help="inner size of the feed-forward layers (default: by profile)")
     parser.add_argument("--heads", type=positive_int, help="attention heads h (default: by profile)")
     parser.add_argument("--dropout", type=probability, help="residual dropout probability (default: by profile)")
-    parser.add_argument("--warmup", type=positive_int, help="warm-up steps of the schedule (default: by profile)")
+    parser.add_argument("--warmup", type=step_count,
+                        help="warm-up steps of the schedule (default: by profile)")
     parser.add_argument("--factor", type=positive_number, help="schedule factor (default: 0.5 copy, else by profile)")
     parser.add_argument("--smoothing", type=probability, help="label smoothing (default: 0 copy, else by profile)")
     parser.add_argument("--clip-norm", type=positive_number, help="clip the gradient norm to this value (default: off)")
@@ -130,6 +121,8 @@ def add_train(subparsers) -> None:
                                     "with loss scaling below; fp32 on a CPU or MPS")
     amp.add_argument("--amp", action=argparse.BooleanOptionalAction,
                      help="mixed precision on or off (--amp on a CPU: bf16)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        help="torch.compile the model and the loss (default: off)")
     amp.add_argument("--amp-dtype", choices=Choices("runtime", "AMP_TYPES"),
                      help="the autocast type (implies --amp; fp16 is refused on a CPU)")
     group = parser.add_argument_group("copy", "settings of --task copy; left out: the profile's values")
@@ -141,7 +134,7 @@ def add_train(subparsers) -> None:
 
 
 EVERY_TASK = {"command", "run", "task", "profile", "device", "amp", "amp_dtype",
-              "checkpoint_dir", "resume", "progress"}
+              "checkpoint_dir", "resume", "progress", "compile"}
 OPTION_OF = {"N": "layers", "h": "heads"}  # the settings whose option has another name
 INSTEAD = {"batch_size": " (use --max-tokens)", "keep_last": " (it keeps --average)"}  # for --task multi30k
 
@@ -191,6 +184,7 @@ def run_copy_train(args) -> int:
         raise ValueError(f"--seq-len {config.seq_len} is beyond the positional table "
                          f"({positions} positions): give at most {positions}")
     model, history = train_copy_task(config, device=args.device, amp=amp_choice(args),
+                                     compile=bool(args.compile),
                                      checkpoint_dir=args.checkpoint_dir,
                                      resume=args.resume, progress=args.progress, **saving)
     if distributed_context()[0] == 0:
@@ -243,6 +237,7 @@ def run_translation_train(args) -> int:
         raise ValueError("--task multi30k needs --checkpoint-dir: its checkpoints, tokenizer and average.pt go there")
     _, trained = record_experiment(config, args.checkpoint_dir, results_path=args.results, device=args.device,
                                    amp=amp_choice(args), resume=args.resume,
+                                   compile=bool(args.compile),
                                    progress=args.progress, command=command_line())
     print(f"averaged model (translate with it): {trained['checkpoint']}")
     return 0
@@ -252,7 +247,8 @@ def add_bench(subparsers) -> None:
     parser = subparsers.add_parser("bench", help=COMMANDS["bench"][0], description=(
         "Benchmark the package: training against nn.Transformer, attention, decoding, Table 1's layers."))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: a fast check that everything runs")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps or auto (default: AT_DEVICE or auto)")
+    parser.add_argument("--device", type=device,
+                        help="cpu, cuda:1, mps or auto (default: AT_DEVICE or auto)")
     parser.add_argument("--only", nargs="+", choices=Choices("bench", "SECTIONS"), metavar="SECTION",
                         help="run only these sections (%(choices)s; default: all)")
     parser.add_argument("--json", metavar="PATH", help="also save the results as JSON")
@@ -386,31 +382,37 @@ USER_ERRORS = (ValueError, OSError, MemoryError)  # caused by input or environme
 NO_MEMORY = ("can't allocate memory", "out of memory")  # the allocators' RuntimeErrors
 
 
+def terminate(signum, frame) -> None:  # SIGTERM or SIGHUP: as Ctrl-C (`finally` runs)
+    from annotated_transformer.runtime import interrupt  # only now: it needs torch
+    interrupt(signum, frame)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command, args = next((arg for arg in argv if not arg.startswith("-")), ""), None
     if sys.stdout is None or sys.stderr is None:  # closed (`>&-`): nowhere to report
         print("error: standard output is closed", file=sys.stderr or sys.stdout)
         return 2
-    try:
-        args = build_parser(only=command if command in COMMANDS else "").parse_args(argv)
-        check_places(args)
-        return args.run(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except (*USER_ERRORS, RuntimeError) as error:
-        memory = any(map(str(error).count, NO_MEMORY))  # the allocator's
-        if isinstance(error, RuntimeError) and not memory:
-            raise  # any other RuntimeError is a bug of ours
-        if isinstance(error, BrokenPipeError):  # `| head`: once, not again at exit
-            with contextlib.suppress(OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        given = {k: v for k, v in vars(args or argparse.Namespace()).items() if v}
-        files = {f"{value} (--{dest.replace('_', '-')})": dest in OUTPUTS
-                 for dest, value in given.items() if dest in {*OUTPUTS, *INPUTS}}
-        message = os_error_line(error, files) if isinstance(error, OSError) else error
-        if isinstance(error, RuntimeError):
-            message = f"out of memory for the sizes asked for ({error})"
-        print("error: " + " ".join(str(message).splitlines()), file=sys.stderr)
-        return 2
+    main_thread = threading.current_thread() is threading.main_thread()
+    for name in ("SIGTERM", "SIGHUP"):  # `kill`, a closed terminal: as Ctrl-C
+        if hasattr(signal, name) and main_thread:
+            signal.signal(getattr(signal, name), terminate)
+    with warnings.catch_warnings():  # a warning in one line too, while the command runs
+        warnings.showwarning = lambda text, *_: print("warning:", text, file=sys.stderr)
+        try:
+            parser = build_parser(only=command if command in COMMANDS else "")
+            args = parser.parse_args(argv)
+            check_places(args)
+            return args.run(args)
+        except KeyboardInterrupt as error:  # Ctrl-C, or Interrupted: a signal's status
+            print(f"interrupted{': ' * bool(str(error))}{error}", file=sys.stderr)
+            return getattr(error, "status", 130)
+        except (*USER_ERRORS, RuntimeError) as error:
+            memory = any(map(str(error).count, NO_MEMORY))  # the allocator's
+            if isinstance(error, RuntimeError) and not memory:
+                raise  # any other RuntimeError is a bug of ours
+            if isinstance(error, BrokenPipeError):  # `| head`: once, not again at exit
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            print(error_line(error, args), file=sys.stderr)
+            return 2

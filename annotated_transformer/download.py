@@ -189,6 +189,9 @@ def check_output(path, option: str, what: str, *, folder: bool = False) -> None:
         kind = "folder" if folder else "file"
         raise ValueError(f"{option} is an empty path: name a {kind}")
     path = Path(path)
+    if path.is_symlink() and not path.exists():  # else "File exists" when it is made
+        target = os.readlink(path)
+        raise ValueError(f"{path} ({option}) links to {target}, which does not exist")
     if path.exists() and not (path.is_dir() if folder else path.is_file()):
         kind = "a file, not a folder" if folder else "not a file"
         raise ValueError(f"{path} is {kind} ({option})")
@@ -222,3 +225,56 @@ def os_error_line(error: OSError, files: dict | None = None) -> str:
     temporary = re.fullmatch(r"\.(.+)\.\w+\.tmp", Path(error.filename).name)
     name = Path(error.filename).with_name(temporary[1]) if temporary else error.filename
     return f"{name}: {error.strerror or error}"
+
+
+# The command line's options that name a place to write: (what goes there, a folder?)
+OUTPUTS = {"checkpoint_dir": ("checkpoints", True), "results": ("the results", False),
+           "output": ("the translations", False), "json": ("the results", False)}
+INPUTS = {"checkpoint", "input", "source", "reference", "root"}  # the files read
+
+
+def check_places(args) -> None:
+    """Refuse an empty path, a place that cannot take what is written there, and an
+    output that would replace a file that must be kept (``check_kept``)."""
+    inputs = {key: value for key, value in vars(args).items() if key in INPUTS}
+    for dest, value in vars(args).items():
+        option = "--" + dest.replace("_", "-")
+        if dest in OUTPUTS and value is not None:
+            check_output(value, option, OUTPUTS[dest][0], folder=OUTPUTS[dest][1])
+            if not OUTPUTS[dest][1]:
+                check_kept(Path(value), option, inputs)
+        elif value == "" and dest in INPUTS:
+            raise ValueError(f"{option} is an empty path")
+
+
+RUN_FILE = re.compile(r"step_\d+\.pt|average\.pt|tokenizer\.model|valid\.json")
+
+
+def check_kept(path: Path, option: str, inputs: dict) -> None:
+    """Refuse to write over an input of the same command, a file of a training run (by
+    its name) or a file of the Multi30k folders (the data's, the cache's)."""
+    if not path.exists():
+        return
+    for dest, given in inputs.items():
+        if given and Path(given).exists() and os.path.samefile(path, given):
+            raise ValueError(f"{path} ({option}) is the file given to --"
+                             f"{dest.replace('_', '-')}: writing it would destroy it")
+    if RUN_FILE.fullmatch(path.name):
+        raise ValueError(f"{path} ({option}) would replace {path.name}, a file of a "
+                         "training run: name another file")
+    places = [Path(os.environ[DATA_ENV])] if os.environ.get(DATA_ENV) else []
+    if any(path.resolve().is_relative_to(p.resolve()) for p in [*places, cache_dir()]):
+        raise ValueError(f"{path} ({option}) is in a folder of the Multi30k files: "
+                         "name a file elsewhere")
+
+
+def error_line(error: Exception, args) -> str:
+    """The command line's one line for a user's ``error`` (a ValueError, an OSError, a
+    MemoryError, the allocator's RuntimeError), naming the files of its ``args``."""
+    given = {k: v for k, v in (vars(args) if args is not None else {}).items() if v}
+    files = {f"{value} (--{dest.replace('_', '-')})": dest in OUTPUTS
+             for dest, value in given.items() if dest in {*OUTPUTS, *INPUTS}}
+    message = os_error_line(error, files) if isinstance(error, OSError) else error
+    if isinstance(error, RuntimeError):
+        message = f"out of memory for the sizes asked for ({error})"
+    return "error: " + " ".join(str(message).splitlines())

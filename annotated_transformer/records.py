@@ -19,7 +19,29 @@ import torch
 from annotated_transformer.checkpoints import write_atomically
 from annotated_transformer.data import SPLITS, load_split
 from annotated_transformer.runtime import describe_device, get_device
-from annotated_transformer.translation import TASK, cross_attention_example, evaluate_bleu, run_experiment
+from annotated_transformer.translation import (
+    TASK, cross_attention_example, evaluate_bleu, train_translator,
+)
+
+
+def run_experiment(config, checkpoint_dir, *, device=None, amp=None,
+                   compile: bool = False, resume: bool = False, progress: bool = True,
+                   log=print) -> tuple[dict, dict]:
+    """Train (``train_translator``), then evaluate greedy and beam search on test2016:
+    ({"split", "greedy", "beam"}, trained)."""
+    trained = train_translator(config, checkpoint_dir, device=get_device(device),
+                               amp=amp, compile=compile, resume=resume,
+                               progress=progress, log=log)
+    model, tokenizer = trained["model"], trained["tokenizer"]
+    test = load_split("test")[: config.test_limit]
+    greedy = evaluate_bleu(model, tokenizer, test)
+    beam = evaluate_bleu(model, tokenizer, test, beam_size=config.beam_size,
+                         length_penalty=config.length_penalty)
+    for name, scores in (("greedy", greedy), (f"beam {config.beam_size}", beam)):
+        log(f"test2016 BLEU ({name}): {scores['bleu']:.2f}  {scores['signature']}")
+        log(f"  lower-cased:          {scores['bleu_lowercase']:.2f}  "
+            f"{scores['signature_lowercase']}")
+    return {"split": SPLITS["test"], "greedy": greedy, "beam": beam}, trained
 
 
 def write_json(path, data) -> Path:

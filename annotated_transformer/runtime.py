@@ -9,6 +9,10 @@ import operator
 import os
 import platform
 import random
+import signal
+import sys
+import threading
+import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -16,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 PROFILES = ("quick", "full")
 
@@ -273,6 +279,17 @@ def check_settings(config, *, positive, probabilities) -> None:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
 
 
+def warn_long_warmup(config):
+    """``config`` (a training task's), after a warning on standard error if its warm-up
+    outlasts the run: the learning rate would never reach its peak."""
+    if config.warmup > config.steps:
+        peak = config.steps / config.warmup
+        print(f"warning: the warm-up ({config.warmup:,} steps) outlasts the run "
+              f"({config.steps:,} steps): the learning rate only rises, to {peak:.2g} "
+              "of its peak", file=sys.stderr)
+    return config
+
+
 def glue(name: str, value, display: bool = False) -> None:
     """Put ``value`` into the chapter's text where it says {glue:text}`name`.
 
@@ -288,3 +305,111 @@ def glue(name: str, value, display: bool = False) -> None:
         glue_in_page(name, value, display=display)
     else:
         print(f"{name} = {value}")
+
+
+def distributed_context() -> tuple[int, int]:
+    """(rank, world size) of this process: (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed(device=None) -> torch.device:
+    """Join the process group that ``torchrun`` describes (RANK, WORLD_SIZE,
+    LOCAL_RANK); return the device.
+
+    NCCL on CUDA (one GPU per process), gloo on CPU. Without ``torchrun`` (WORLD_SIZE
+    unset or 1) nothing happens and the device is ``get_device(device)``.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = get_device(device)
+    if world == 1 or dist.is_initialized():
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    return device
+
+
+def shard_rows(n: int, rank: int, world: int) -> slice:
+    """The rows of a batch of ``n`` that process ``rank`` of ``world`` takes
+    (contiguous, sizes differ by <= 1)."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+class Progress:
+    """The progress bar of a training run: its own (``progress=True``), none (False), or
+    a caller's ``tqdm`` bar; the loss, the learning rate and the tokens per second. Its
+    own bar is printed after a ``note`` (such as the precision) if given."""
+
+    def __init__(self, progress, *, total: int, initial: int, note: str | None = None):
+        self.own = not isinstance(progress, tqdm)
+        if note and progress and self.own and distributed_context()[0] == 0:
+            print(note)
+        self.bar = progress if not self.own else tqdm(
+            total=total, initial=initial, desc="train", mininterval=1.0,
+            dynamic_ncols=True, disable=not progress or distributed_context()[0] != 0)
+        self.clock, self.tokens = time.perf_counter(), 0
+
+    def update(self, loss: float, lr: float, tokens: int, last: bool) -> None:
+        self.bar.update(1)
+        self.tokens += tokens
+        elapsed = max(time.perf_counter() - self.clock, 1e-9)
+        if last or elapsed >= 1.0:
+            speed = f"{self.tokens / elapsed:.0f}"
+            self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=speed)
+            self.clock, self.tokens = time.perf_counter(), 0
+
+    def close(self) -> None:
+        if self.own:
+            self.bar.close()
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by a signal; ``status`` is the shell's exit status for it (128 +
+    its number: 130 for Ctrl-C, 143 for SIGTERM)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.status = 128 + signum
+
+
+def interrupt(signum, frame=None):
+    """A signal handler: stop now with ``Interrupted`` (``finally`` clauses run)."""
+    raise Interrupted(f"stopped by {signal.Signals(signum).name}", signum)
+
+
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")  # Ctrl-C, `kill`, a closed terminal
+
+
+@contextmanager
+def stop_requests():
+    """Within the block, a first Ctrl-C, SIGTERM or SIGHUP is only noted: its number
+    goes into the yielded list, for the caller to stop at a safe point; a second one
+    interrupts at once. Outside the main thread, and for an ignored signal, nothing
+    changes."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    numbers = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
+    caught = [n for n in numbers if signal.getsignal(n) is not signal.SIG_IGN]
+    before = {number: signal.getsignal(number) or signal.SIG_DFL for number in caught}
+
+    def note(signum, frame):
+        noted.append(signum)
+        for number in caught:
+            signal.signal(number, interrupt)
+
+    for number in caught:
+        signal.signal(number, note)
+    try:
+        yield noted
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)

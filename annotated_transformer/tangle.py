@@ -323,15 +323,20 @@ def find_root(root: Path | str | None = None) -> Path:
 
 def run(check: bool = False, root: Path | str | None = None) -> int:
     """Tangle the book into the package or, with ``check``, only compare them. Returns the exit status."""
-    root = find_root(root)
+    given, root = root is not None, find_root(root)
     modules = tangle_book(root)
     if check:
         problems = compare(root, modules)
         for problem in problems:
             print(problem, file=sys.stderr)
+        where = f" --root {root}" if given else ""  # the advice names the same book
+        if any(not problem.startswith("orphan") for problem in problems):
+            print("The package is out of step with the book: run "
+                  f"`python -m annotated_transformer.tangle{where}`.", file=sys.stderr)
+        if any(problem.startswith("orphan") for problem in problems):
+            print("An orphan module is no chapter's: delete it, or name it in a "
+                  "chapter's `tangle:`.", file=sys.stderr)
         if problems:
-            print("The package is out of step with the book: run `python -m annotated_transformer.tangle`.",
-                  file=sys.stderr)
             return 1
         print(f"The package matches the book ({len(modules)} modules).")
         return 0

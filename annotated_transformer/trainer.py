@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -15,9 +16,9 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from annotated_transformer.checkpoints import (
     CheckpointError, checkpoint_path, checkpoint_problem, latest_checkpoint,
@@ -26,8 +27,9 @@ from annotated_transformer.checkpoints import (
 )
 from annotated_transformer.model import make_model
 from annotated_transformer.runtime import (
-    Precision, check_settings, choose_precision, evaluating, get_device, get_profile,
-    seed_everything,
+    Interrupted, Precision, Progress, check_settings, choose_precision,
+    distributed_context, evaluating, get_device, get_profile, init_distributed,
+    seed_everything, shard_rows, stop_requests, warn_long_warmup,
 )
 from annotated_transformer.training import Batch, LabelSmoothing, make_optimizer, make_scheduler
 
@@ -45,39 +47,6 @@ class LogProbs(nn.Module):
 
     def forward(self, src, tgt, src_mask, tgt_mask):
         return self.model.generator(self.model(src, tgt, src_mask, tgt_mask))
-
-
-def distributed_context() -> tuple[int, int]:
-    """(rank, world size) of this process: (0, 1) unless a process group is initialised."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def init_distributed(device=None) -> torch.device:
-    """Join the process group that ``torchrun`` describes (RANK, WORLD_SIZE, LOCAL_RANK); return the device.
-
-    NCCL on CUDA (one GPU per process), gloo on CPU. Without ``torchrun`` (WORLD_SIZE unset or 1) nothing
-    happens and the device is ``get_device(device)``.
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = get_device(device)
-    if world == 1 or dist.is_initialized():
-        return device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
-    return device
-
-
-def shard_rows(n: int, rank: int, world: int) -> slice:
-    """The rows of a batch of ``n`` that process ``rank`` of ``world`` takes (contiguous, sizes differ by <= 1)."""
-    base, extra = divmod(n, world)
-    start = rank * base + min(rank, extra)
-    return slice(start, start + base + (1 if rank < extra else 0))
 
 
 def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callable, *,
@@ -107,7 +76,9 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
             # DistributedDataParallel averages gradients over processes: multiply by world to get the sum.
             share = loss * (world / total_tokens)
             (share if scaler is None else scaler.scale(share)).backward()
-        nll = -flat.detach().float().gather(1, labels.unsqueeze(1)).squeeze(1)[labels != batch.pad].sum()
+        # the labels' cross-entropy; no boolean indexing, which would wait for the GPU
+        nll = F.nll_loss(flat.detach().float(), labels, ignore_index=batch.pad,
+                         reduction="sum")
         pair = torch.stack([loss.detach(), nll])  # in the loss's precision (float64 in the tests)
         sums = pair if sums is None else sums + pair
     if world > 1:
@@ -117,12 +88,13 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
 
 
 def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
-                    scheduler=None, scaler=None, precision: Precision | None = None):
+                    scheduler=None, scaler=None, precision: Precision | None = None,
+                    steps: int | None = None):
     """Restore a checkpoint into model, optimiser, schedule and random generators: (start step, history, seconds).
 
     ``resume`` is True (the newest intact checkpoint of ``checkpoint_dir``, skipping damaged ones with a warning)
     or a checkpoint's path. The loss scale goes into ``scaler``; a checkpoint of another
-    ``precision`` gives a warning.
+    ``precision`` gives a warning. A checkpoint beyond ``steps`` is refused.
     """
     if isinstance(resume, (str, os.PathLike)):
         checkpoint = load_checkpoint(resume)
@@ -130,6 +102,9 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
         path, checkpoint = load_latest_checkpoint(checkpoint_dir)
         if path is None:
             raise FileNotFoundError(f"resume was asked for, but {checkpoint_dir} holds no checkpoint")
+    if steps is not None and checkpoint["step"] > steps:  # nothing to train: refused
+        raise ValueError(f"steps ({steps}) is below the step that the checkpoint "
+                         f"reached ({checkpoint['step']}): resume with steps >= it")
     load_model_state(model, checkpoint)
     if checkpoint["optimizer"] is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -176,29 +151,6 @@ def write_checkpoint(checkpoint_dir, step: int, *, model: nn.Module, optimizer, 
         dist.barrier()
 
 
-class Progress:
-    """The progress bar of a run: its own (``progress=True``), none (False), or a caller's ``tqdm`` bar."""
-
-    def __init__(self, progress, *, total: int, initial: int):
-        self.own = not isinstance(progress, tqdm)
-        self.bar = progress if not self.own else tqdm(
-            total=total, initial=initial, desc="train", mininterval=1.0, dynamic_ncols=True,
-            disable=not progress or distributed_context()[0] != 0)
-        self.clock, self.tokens = time.perf_counter(), 0
-
-    def update(self, loss: float, lr: float, tokens: int, last: bool) -> None:
-        self.bar.update(1)
-        self.tokens += tokens
-        elapsed = max(time.perf_counter() - self.clock, 1e-9)
-        if last or elapsed >= 1.0:
-            self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{self.tokens / elapsed:.0f}")
-            self.clock, self.tokens = time.perf_counter(), 0
-
-    def close(self) -> None:
-        if self.own:
-            self.bar.close()
-
-
 class NonFiniteLossError(ValueError, FloatingPointError):
     """Training met a loss (or gradient norm) that is not finite; the message names the step and the value."""
 
@@ -215,25 +167,21 @@ def check_finite(step: int, loss: float, grad_norm: float | None, checkpoint_dir
                              "clipping or training in float32 may help")
 
 
-def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *, steps: int,
-          optimizer: torch.optim.Optimizer, scheduler=None, loss_fn: Callable, accumulation_steps: int = 1,
-          clip_norm: float | None = None, device=None, amp=None, checkpoint_dir=None,
-          checkpoint_every: int = 0, keep_last: int = 5, resume=False, progress=True, extra=None) -> dict:
-    """Train ``model`` for ``steps`` optimiser steps; return the history (per step: loss and ``nll`` per token,
-    lr, tokens).
-
-    Micro-batch ``i`` is ``batches[i % len(batches)]`` or ``batches(i)``; step ``s`` uses micro-batches
-    ``s*k .. s*k+k-1`` (``k = accumulation_steps``), gradients summed as one batch.
-    ``amp`` is the precision: by the hardware unless given (see ``choose_precision``).
-    ``clip_norm`` clips the gradient norm. With ``checkpoint_dir``, a checkpoint is
-    written every ``checkpoint_every`` steps and at the end, keeping ``keep_last``;
-    ``resume`` (True, or a checkpoint's path) continues exactly where that checkpoint stopped. Checkpoints record
-    ``train_seconds``, summed over resumed runs, and ``extra``. A loss that is not finite stops the run with a
-    :class:`NonFiniteLossError` before its update. Under ``torchrun`` each micro-batch is split between the
-    processes and the result equals one process training on the whole batch.
-    """
+def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *,
+          steps: int, optimizer: torch.optim.Optimizer, scheduler=None,
+          loss_fn: Callable, accumulation_steps: int = 1, clip_norm=None,
+          device=None, amp=None, compile: bool = False, checkpoint_dir=None,
+          checkpoint_every: int = 0, keep_last: int = 5, resume=False, progress=True,
+          extra=None, evaluate: Callable[[int], object] | None = None,
+          eval_every: int = 0) -> dict:
+    """Train ``model`` for ``steps`` optimiser steps; return the history (per step: loss
+    and ``nll`` per token, lr, tokens). Micro-batch ``i`` is ``batches(i)`` (or
+    ``batches[i % len(batches)]``). ``evaluate(step)`` runs every ``eval_every`` steps,
+    and a checkpoint is written every ``checkpoint_every`` steps, both also at the end;
+    Ctrl-C or SIGTERM ends the step, saves it and raises ``Interrupted``."""
     get_batch = check_training(batches, steps=steps, accumulation_steps=accumulation_steps,
-                               checkpoint_every=checkpoint_every, resume=resume, checkpoint_dir=checkpoint_dir)
+                               checkpoint_every=checkpoint_every, resume=resume,
+                               checkpoint_dir=checkpoint_dir, eval_every=eval_every)
     device = next(model.parameters()).device if device is None else get_device(device)
     precision = choose_precision(device, amp)
     scaler = precision.grad_scaler()
@@ -241,12 +189,12 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
     if resume:
         start, history, seconds_before = resume_training(
             resume, checkpoint_dir, model=model.to(device), optimizer=optimizer,
-            scheduler=scheduler, scaler=scaler, precision=precision)
-    history = history or {"step": [], "loss": [], "nll": [], "lr": [], "tokens": []}
-    net = for_training(model, device)
-    if progress and not isinstance(progress, tqdm) and distributed_context()[0] == 0:
-        print(f"precision: {precision}")  # with the run's own progress bar
-    with contextlib.closing(Progress(progress, total=steps, initial=start)) as bar:
+            scheduler=scheduler, scaler=scaler, precision=precision, steps=steps)
+    history = history or {key: [] for key in HISTORY}
+    net, loss_fn = for_training(model, device, loss_fn, compile=compile)
+    note = f"precision: {precision}"  # printed above the run's own progress bar
+    with stop_requests() as stop, contextlib.closing(
+            Progress(progress, total=steps, initial=start, note=note)) as bar:
         started = time.perf_counter()
         for step in range(start, steps):
             group = [get_batch(step * accumulation_steps + j) for j in range(accumulation_steps)]
@@ -254,34 +202,47 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
             loss, nll, tokens = accumulate_gradients(net, group, loss_fn, device=device,
                                                      precision=precision, scaler=scaler)
             scaler.unscale_(optimizer)  # true gradients, to clip (a no-op unless fp16)
-            norm = None if clip_norm is None else float(nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
-            grad_norm = None if precision.scaled else norm  # fp16: overflows skip
-            check_finite(step + 1, loss, grad_norm, checkpoint_dir)
+            norm = None if clip_norm is None else float(
+                nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
+            norm = None if precision.scaled else norm  # fp16: an overflow skips
+            check_finite(step + 1, loss, norm, checkpoint_dir)
             scaler.step(optimizer)  # skipped if an fp16 gradient overflowed
             scaler.update()  # a lower scale after an overflow
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
-            for key, value in zip(("step", "loss", "nll", "lr", "tokens"), (step + 1, loss, nll, lr, tokens)):
+            for key, value in zip(HISTORY, (step + 1, loss, nll, lr, tokens)):
                 history[key].append(value)
             bar.update(loss, lr, tokens, last=step + 1 == steps)
-            due = step + 1 == steps or (checkpoint_every and (step + 1) % checkpoint_every == 0)
-            if checkpoint_dir is not None and due:
-                write_checkpoint(checkpoint_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler,
-                                 history=history, train_seconds=seconds_before + time.perf_counter() - started,
-                                 keep_last=keep_last, extra=extra, precision=precision,
-                                 scaler=scaler)
+            if evaluate is not None and due(step + 1, eval_every, steps):
+                started += timed(evaluate, step + 1)  # not training time
+            saving = due(step + 1, checkpoint_every, steps) or stop
+            if checkpoint_dir is not None and saving:
+                seconds = seconds_before + time.perf_counter() - started
+                write_checkpoint(checkpoint_dir, step + 1, model=model,
+                                 optimizer=optimizer, scheduler=scheduler,
+                                 history=history, keep_last=keep_last,
+                                 train_seconds=seconds, extra=extra,
+                                 precision=precision, scaler=scaler)
+            if stop:
+                stopped(stop[0], step + 1, checkpoint_dir)
     return history
 
 
-def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resume, checkpoint_dir):
-    """Refuse impossible arguments of ``train``; return micro-batch ``i`` as a function of ``i``."""
+HISTORY = ("step", "loss", "nll", "lr", "tokens")  # what ``train`` records at each step
+
+
+def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resume,
+                   checkpoint_dir, eval_every=0):
+    """Refuse impossible arguments of ``train``; return micro-batch ``i`` as f(i)."""
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
-    if checkpoint_every < 0:
-        raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+    for name in ("checkpoint_every", "eval_every"):
+        every = checkpoint_every if name == "checkpoint_every" else eval_every
+        if not isinstance(every, int) or every < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {every!r}")
     if resume and checkpoint_dir is None and not isinstance(resume, (str, os.PathLike)):
         raise ValueError("resume=True needs checkpoint_dir (or pass the checkpoint's path as resume)")
     if callable(batches):
@@ -291,13 +252,38 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
     return lambda index: batches[index % len(batches)]
 
 
-def for_training(model: nn.Module, device: torch.device) -> nn.Module:
-    """The model on ``device``, in training mode, followed by its generator; wrapped in DDP in a process group."""
+def timed(function: Callable, *args) -> float:
+    """The seconds that ``function(*args)`` took."""
+    begun = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - begun
+
+
+def due(step: int, every: int, steps: int) -> bool:
+    """Whether a thing done every ``every`` steps (0: at the end) is due at ``step``."""
+    return step == steps or bool(every and step % every == 0)
+
+
+def stopped(signum: int, step: int, checkpoint_dir) -> None:
+    """Stop a run that a signal interrupted after ``step``, naming its checkpoint."""
+    path = checkpoint_dir is not None and checkpoint_path(checkpoint_dir, step)
+    saved = (f"; its checkpoint is {path} (resume from it)" if path
+             else " (no checkpoint_dir: none saved)")
+    name = signal.Signals(signum).name
+    raise Interrupted(f"stopped by {name} after step {step}{saved}", signum)
+
+
+def for_training(model: nn.Module, device: torch.device, loss_fn=None, *,
+                 compile: bool = False) -> tuple[nn.Module, Callable | None]:
+    """The model on ``device`` in training mode, with its generator (in DDP in a group),
+    and ``loss_fn``; both through ``torch.compile`` if ``compile``."""
     model.to(device).train()
     net: nn.Module = LogProbs(model)
     if distributed_context()[1] > 1:
         net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
-    return net
+    if compile:
+        net, loss_fn = torch.compile(net), loss_fn and torch.compile(loss_fn)
+    return net, loss_fn
 
 
 def copy_batches(vocab: int, batch_size: int, seq_len: int, n_batches: int, *, pad: int = 0, start: int = 1,
@@ -373,7 +359,7 @@ def copy_config(profile: str | None = None, **overrides) -> CopyConfig:
 
 
 def train_copy_task(config: CopyConfig | None = None, *, device=None, amp=None,
-                    checkpoint_dir=None,
+                    compile: bool = False, checkpoint_dir=None,
                     checkpoint_every: int = 0, keep_last: int = 5, resume=False, progress: bool = True,
                     profile: str | None = None, **overrides) -> tuple[nn.Module, dict]:
     """Train a small Transformer to copy random sequences; return (model in eval mode, history).
@@ -401,8 +387,12 @@ def train_copy_task(config: CopyConfig | None = None, *, device=None, amp=None,
 
     with run_folder(checkpoint_dir, {**model.config, **settings}, resume=resume,
                     hold=rank == 0):  # checked before any training, held to its end
+        warn_long_warmup(config)
+        if resume is True and latest_checkpoint(checkpoint_dir) is None:
+            resume = False  # it stopped before its first checkpoint: from the start
         history = train(model, batch, steps=config.steps, optimizer=optimizer,
                         scheduler=scheduler, amp=precision, device=device,
+                        compile=compile,
                         loss_fn=LabelSmoothing(config.vocab, 0, config.smoothing),
                         accumulation_steps=config.accumulation_steps,
                         clip_norm=config.clip_norm, checkpoint_dir=checkpoint_dir,

@@ -22,7 +22,7 @@ from annotated_transformer.checkpoints import (
     write_atomically,
 )
 from annotated_transformer.data import (
-    BOS_ID, EOS_ID, PAD_ID, SPLITS, TASK, TOKENIZER_FILE, EpochBatches, SentencePieces,
+    BOS_ID, EOS_ID, PAD_ID, TASK, TOKENIZER_FILE, EpochBatches, SentencePieces,
     checkpoint_tokenizer, collate, encode_pairs, load_split, load_tokenizer,
     tokenizer_digest, tokenizer_to_tensor, train_tokenizer, write_tokenizer,
 )
@@ -30,9 +30,9 @@ from annotated_transformer.masks import padding_mask, target_mask
 from annotated_transformer.model import EMBEDDING_INITS, make_model
 from annotated_transformer.runtime import (
     check_settings as check_shared_settings, check_size, choose_precision, evaluating,
-    get_device, get_profile, seed_everything,
+    get_device, get_profile, seed_everything, warn_long_warmup,
 )
-from annotated_transformer.trainer import train
+from annotated_transformer.trainer import due, train
 from annotated_transformer.training import LabelSmoothing, make_optimizer, make_scheduler, token_batches
 
 
@@ -61,7 +61,7 @@ class TranslationConfig:
     clip_norm: float | None    # clip the gradient norm to this (None: off)
     checkpoint_every: int      # a checkpoint every this many steps
     average: int               # the final model is the mean of the last this many checkpoints
-    eval_every: int            # validation loss every this many steps (a multiple of checkpoint_every)
+    eval_every: int            # validation loss every this many steps
     valid_limit: int | None    # validation loss on the first N validation pairs only
     test_limit: int | None     # BLEU on the first N test pairs only
     beam_size: int             # beam search of the final evaluation
@@ -92,9 +92,6 @@ def check_settings(config: TranslationConfig) -> None:
             raise TypeError(f"{name} must be True or False, got {getattr(config, name)!r}")
     if config.embedding_init not in EMBEDDING_INITS:
         raise ValueError(f"embedding_init must be one of {EMBEDDING_INITS}, got {config.embedding_init!r}")
-    if config.eval_every % config.checkpoint_every:
-        raise ValueError(f"eval_every ({config.eval_every}) must be a multiple of checkpoint_every "
-                         f"({config.checkpoint_every}): validation happens at checkpoints")
     if not 0 <= config.length_penalty <= MAX_ALPHA:  # beam search's range; not nan, inf
         raise ValueError(f"length_penalty must lie in [0, {MAX_ALPHA:g}], "
                          f"got {config.length_penalty!r}")
@@ -179,13 +176,14 @@ def load_translator(path, device=None):
 
 
 def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None,
-                     amp=None, resume: bool = False, progress: bool = True,
-                     log=print) -> dict:
+                     amp=None, compile: bool = False, resume: bool = False,
+                     progress: bool = True, log=print) -> dict:
     """Train a Multi30k German-to-English translator as ``config`` says, in ``checkpoint_dir``.
 
     Returns a dict: the averaged model (eval mode), its tokenizer, the training history, the validation curve and
     losses, the checkpoint ``average.pt``, the parameter count and the training seconds (summed over resumed runs).
-    ``amp`` is the precision (the runtime's ``choose_precision``: by the device).
+    ``amp`` is the precision (the runtime's ``choose_precision``: by the device);
+    ``compile`` is ``train``'s.
     """
     device = get_device(device)
     precision = choose_precision(device, amp)  # a refusal comes before any work
@@ -193,33 +191,32 @@ def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None,
     tokenizer, train_examples, valid_examples = prepare_data(config)  # before a folder
     if not train_examples:
         raise ValueError(f"no training pair is at most max_len={config.max_len} pieces long")
+    batches = EpochBatches(train_examples, config.max_tokens, seed=config.seed)
     with run_folder(checkpoint_dir, run_settings(config), resume=resume) as folder:
         checkpoint = resumed_checkpoint(folder, resume, config)
         keep_tokenizer(folder, tokenizer, checkpoint, log=log)
+        warn_long_warmup(config)
         seed_everything(config.seed)
         model, optimizer, scheduler, loss_fn = build_translator(
             config, tokenizer.vocab_size, device)
         if checkpoint:  # its weights, in case its validation loss is missing
             load_model_state(model, checkpoint)
-        batches = EpochBatches(train_examples, config.max_tokens, seed=config.seed)
         extra = {"task": TASK, "settings": run_settings(config),  # in every checkpoint
                  "tokenizer_sha256": tokenizer_digest(tokenizer.processor)}
-        valid = train_with_validation(model, batches, valid_examples, config, folder,
-                                      checkpoint=checkpoint, extra=extra, device=device,
-                                      amp=precision, progress=progress, log=log,
-                                      optimizer=optimizer, scheduler=scheduler,
-                                      loss_fn=loss_fn)
-        _, last = load_latest_checkpoint(folder)
+        history, valid, seconds = train_with_validation(
+            model, batches, valid_examples, config, folder, checkpoint=checkpoint,
+            extra=extra, device=device, amp=precision, compile=compile,
+            progress=progress, log=log, optimizer=optimizer, scheduler=scheduler,
+            loss_fn=loss_fn)
         averaged = average_last_checkpoints(model, folder, valid_examples, config,
                                             log=log)
-        history = last["extra"].get("history", {})
         path = save_translator(folder / "average.pt", model, tokenizer,
-                               step=last["step"], extra={
+                               step=config.steps, extra={
                                    "averaged": averaged["averaged"], "history": history,
                                    "valid": valid, "precision": precision.name})
     return dict(model=model.eval(), tokenizer=tokenizer, history=history, valid=valid, checkpoint=path,
-                precision=precision.name,
-                train_examples=len(train_examples), train_seconds=last["extra"].get("train_seconds", 0.0),
+                precision=precision.name, train_examples=len(train_examples),
+                train_seconds=seconds,
                 parameters=sum(p.numel() for p in model.parameters()), **averaged)
 
 
@@ -274,12 +271,12 @@ def build_translator(config: TranslationConfig, vocab: int, device):
 
 def train_with_validation(model: nn.Module, batches, valid_examples,
                           config: TranslationConfig, folder: Path, *, checkpoint=None,
-                          extra=None, device, amp, progress: bool, log,
-                          **training) -> dict:
-    """Train from ``checkpoint``'s step (or 0) to ``config.steps`` in chunks of
-    ``eval_every`` steps (``training``: optimizer, scheduler, loss_fn), each followed by
-    the validation loss; return that curve (in valid.json, and with ``extra`` in each
-    checkpoint)."""
+                          extra=None, device, amp, compile=False, progress: bool,
+                          log, **training) -> tuple[dict, dict, float]:
+    """Train from ``checkpoint``'s step (or 0) to ``config.steps`` in one ``train``
+    (``training``: optimizer, scheduler, loss_fn), which measures the validation loss
+    every ``eval_every`` steps and at the end (in valid.json, and with ``extra`` in each
+    checkpoint); return (history, that curve, training seconds over resumed runs)."""
     valid_file, points = folder / "valid.json", {}
     done = checkpoint["step"] if checkpoint else 0
     if done and valid_file.exists():
@@ -293,31 +290,41 @@ def train_with_validation(model: nn.Module, batches, valid_examples,
     stored = (checkpoint or {}).get("extra", {}).get("valid") or {"step": []}
     points = {**dict(zip(stored["step"], stored.get("loss", []))), **points}
     steps, every = config.steps, config.eval_every
-    ends = [*range(every, steps, every), steps]
-    if done in ends and done not in points:  # stopped between checkpoint and validation
+    if done and due(done, every, steps) and done not in points:  # stopped before it
         points[done] = validation_loss(model, valid_examples)
     kept = sorted(step for step in points if step <= done)  # none beyond it
     valid = {"step": kept, "loss": [points[step] for step in kept]}
-    if done:
-        text = json.dumps(valid)
-        write_atomically(valid_file, lambda stream: stream.write(text), mode="w")
-    # One progress bar for the whole run (its ETA is the run's); validation lines are printed above it.
-    bar = tqdm(total=steps, initial=done, desc="train", disable=not progress, mininterval=1.0, dynamic_ncols=True)
-    say = bar.write if progress and log is print else log  # print above the bar, not through it
-    for end in [end for end in ends if end > done]:
-        train(model, batches, steps=end, accumulation_steps=config.accumulation_steps, clip_norm=config.clip_norm,
-              device=device, amp=amp, checkpoint_dir=folder, checkpoint_every=config.checkpoint_every,
-              keep_last=config.average, resume=done > 0,
-              progress=bar if progress else False,
-              extra={**(extra or {}), "valid": valid}, **training)
-        done = end
+    bar = tqdm(total=steps, initial=done, desc="train", disable=not progress,
+               mininterval=1.0, dynamic_ncols=True)  # the run's; lines go above it:
+    say = bar.write if progress and log is print else log
+
+    def save() -> None:  # replaced whole, never half a file
+        write_atomically(valid_file, lambda out: out.write(json.dumps(valid)), mode="w")
+
+    validating = []  # the seconds of each validation: not training time
+    def evaluate(step: int) -> None:  # in the loop: ``valid`` is in every checkpoint
+        begun = time.perf_counter()
         loss = validation_loss(model, valid_examples)
-        valid["step"].append(end)
+        valid["step"].append(step)
         valid["loss"].append(loss)
-        write_atomically(valid_file, lambda stream: stream.write(json.dumps(valid)), mode="w")  # never half a file
-        say(f"step {end:6d}: validation loss {loss:.3f} nats per token (perplexity {math.exp(loss):.1f})")
+        say(f"step {step:6d}: validation loss {loss:.3f} nats per token "
+            f"(perplexity {math.exp(loss):.1f})")
+        save()
+        validating.append(time.perf_counter() - begun)
+
+    if done:
+        save()
+    started = time.perf_counter()
+    history = train(model, batches, steps=steps, clip_norm=config.clip_norm,
+                    accumulation_steps=config.accumulation_steps, device=device,
+                    amp=amp, compile=compile, checkpoint_dir=folder,
+                    checkpoint_every=config.checkpoint_every, keep_last=config.average,
+                    resume=done > 0, progress=bar if progress else False,
+                    evaluate=evaluate, eval_every=every,
+                    extra={**(extra or {}), "valid": valid}, **training)
     bar.close()
-    return valid
+    before = (checkpoint or {}).get("extra", {}).get("train_seconds", 0.0)
+    return history, valid, before + time.perf_counter() - started - sum(validating)
 
 
 def average_last_checkpoints(model: nn.Module, folder: Path, valid_examples, config: TranslationConfig, *,
@@ -398,17 +405,3 @@ def cross_attention_example(model: nn.Module, tokenizer: SentencePieces, sentenc
     return dict(sentence=sentence, translation=tokenizer.decode(target[:-1]),
                 source=[tokenizer.piece(i) for i in source], target=[tokenizer.piece(i) for i in target],
                 weights=[[round(w, 4) for w in row] for row in weights.tolist()])
-
-
-def run_experiment(config: TranslationConfig, checkpoint_dir, *, device=None, amp=None,
-                   resume: bool = False, progress: bool = True, log=print) -> tuple[dict, dict]:
-    """Train, average, and evaluate greedy and beam search on test2016: ({"split", "greedy", "beam"}, trained)."""
-    trained = train_translator(config, checkpoint_dir, device=get_device(device), amp=amp, resume=resume,
-                               progress=progress, log=log)
-    model, tokenizer, test = trained["model"], trained["tokenizer"], load_split("test")[: config.test_limit]
-    greedy = evaluate_bleu(model, tokenizer, test)
-    beam = evaluate_bleu(model, tokenizer, test, beam_size=config.beam_size, length_penalty=config.length_penalty)
-    for name, scores in (("greedy", greedy), (f"beam {config.beam_size}", beam)):
-        log(f"test2016 BLEU ({name}): {scores['bleu']:.2f}  {scores['signature']}")
-        log(f"  lower-cased:          {scores['bleu_lowercase']:.2f}  {scores['signature_lowercase']}")
-    return {"split": SPLITS["test"], "greedy": greedy, "beam": beam}, trained

@@ -217,7 +217,7 @@ def test_numbers_are_checked_as_they_are_parsed() -> None:
 
 
 def test_output_places_are_checked_before_a_command_starts(tmp_path: Path) -> None:
-    from annotated_transformer.cli import check_output
+    from annotated_transformer.download import check_output
 
     (tmp_path / "a_file").write_text("")
     refused = [(tmp_path, False, "is not a file (--x)"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +66,7 @@ def usage(option: str, value: str, expected: str) -> str:
 POSITIVE, PROBABILITY = "a positive integer", "a probability in [0, 1)"
 FINITE, ALPHA = "a positive finite number", "a length penalty in [0, 10]"
 THREADS = f"a thread count from 1 to {4 * (os.cpu_count() or 1)} (4 per CPU)"
+STEP_COUNT = "a positive integer up to 1,000,000,000"
 
 # (name, command line, what standard error must hold, standard input)
 CASES = [
@@ -82,9 +84,9 @@ CASES = [
     ("smoothing-negative", train("--smoothing", "-0.1"), usage("--smoothing", "-0.1", PROBABILITY), None),
     ("dropout-above-one", train("--dropout", "1.5"), usage("--dropout", "1.5", PROBABILITY), None),
     ("dropout-nan", train("--dropout", "nan"), usage("--dropout", "nan", PROBABILITY), None),
-    ("steps-negative", train("--steps", "-1"), usage("--steps", "-1", POSITIVE), None),
-    ("steps-zero", train("--steps", "0"), usage("--steps", "0", POSITIVE), None),
-    ("steps-fraction", train("--steps", "2.5"), usage("--steps", "2.5", POSITIVE), None),
+    ("steps-negative", train("--steps", "-1"), usage("--steps", "-1", STEP_COUNT), None),
+    ("steps-zero", train("--steps", "0"), usage("--steps", "0", STEP_COUNT), None),
+    ("steps-fraction", train("--steps", "2.5"), usage("--steps", "2.5", STEP_COUNT), None),
     ("batch-size-zero", train("--batch-size", "0"), usage("--batch-size", "0", POSITIVE), None),
     ("vocab-too-small", train("--vocab", "2"), usage("--vocab", "2", "an integer >= 3"), None),
     ("seq-len-too-short", train("--seq-len", "1"), usage("--seq-len", "1", "an integer >= 2"), None),
@@ -92,7 +94,7 @@ CASES = [
     ("d-model-negative", train("--d-model", "-16"), usage("--d-model", "-16", POSITIVE), None),
     ("d-ff-zero", train("--d-ff", "0"), usage("--d-ff", "0", POSITIVE), None),
     ("heads-zero", train("--heads", "0"), usage("--heads", "0", POSITIVE), None),
-    ("warmup-zero", train("--warmup", "0"), usage("--warmup", "0", POSITIVE), None),
+    ("warmup-zero", train("--warmup", "0"), usage("--warmup", "0", STEP_COUNT), None),
     ("accumulation-zero", train("--accumulation-steps", "0"), usage("--accumulation-steps", "0", POSITIVE), None),
     ("seed-negative", train("--seed", "-1"), usage("--seed", "-1", "an integer in [0, 2**32)"), None),
     ("seed-word", train("--seed", "abc"), usage("--seed", "abc", "an integer in [0, 2**32)"), None),
@@ -226,8 +228,9 @@ IN_PROCESS = [
     ("copy-resume-nothing", train("--resume", "--checkpoint-dir", "a_folder"), "a_folder holds no checkpoint", None),
     ("multi30k-without-folder", ["train", "--task", "multi30k", "--profile", "quick"],
      "--task multi30k needs --checkpoint-dir", None),
-    ("multi30k-eval-not-at-checkpoints", multi30k("--checkpoint-every", "5", "--eval-every", "7"),
-     "eval_every (7) must be a multiple of checkpoint_every (5)", None),
+    ("steps-beyond-a-billion", train("--steps", "1000000001"), usage("--steps", "1000000001", STEP_COUNT), None),
+    ("warmup-beyond-a-billion", train("--warmup", "1" + "0" * 23), usage("--warmup", "1" + "0" * 23, STEP_COUNT),
+     None),
     ("translate-penalty-unknown", translate("--penalty", "cubic"), "argument --penalty: invalid choice: 'cubic'",
      None),
     ("translate-checkpoint-a-folder", ["translate", "--checkpoint", "a_folder"], "no checkpoint at a_folder", b""),
@@ -288,7 +291,7 @@ def outcomes(place) -> dict:
 
 
 def check_refusal(status, stdout: str, stderr: str, expected: str) -> None:
-    assert status not in (0, None), stderr
+    assert status == 2, stderr  # the status of a user's error, also argparse's
     assert "Traceback" not in stderr, stderr
     assert expected in stderr, stderr
     assert "error: " in stderr.strip().splitlines()[-1], stderr  # the last line says what is wrong
@@ -327,11 +330,14 @@ def test_bad_input_is_refused_clearly_in_process(place, monkeypatch, capsys, arg
     check_refusal(status, captured.out, captured.err, expected)
 
 
-def test_ctrl_c_stops_a_run_with_status_130_and_no_traceback(tmp_path) -> None:
-    """An interrupted training run says so in one line and exits with the shell's status for an interrupt."""
-    command = ["train", "--steps", "100000", "--profile", "quick", "--d-model", "16", "--layers", "1",
-               "--device", "cpu"]
-    process = subprocess.Popen([sys.executable, "-m", "annotated_transformer", *command],
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)] + (
+    [(signal.SIGHUP, 129)] if hasattr(signal, "SIGHUP") else []))
+def test_a_signal_stops_a_run_after_its_step_saving_it(tmp_path, signum, status) -> None:
+    """Ctrl-C or SIGTERM: the step ends, its checkpoint is written, one line names it, the exit status is the
+    shell's for that signal, and the run resumes from there."""
+    command = ["train", "--profile", "quick", "--d-model", "16", "--layers", "1", "--device", "cpu",
+               "--checkpoint-dir", "run"]
+    process = subprocess.Popen([sys.executable, "-m", "annotated_transformer", *command, "--steps", "100000"],
                                cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                env={**os.environ, "OMP_NUM_THREADS": "1"},
                                # A shell's background job (`make test &`) ignores SIGINT, and a child inherits that:
@@ -339,12 +345,24 @@ def test_ctrl_c_stops_a_run_with_status_130_and_no_traceback(tmp_path) -> None:
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         process.stderr.read(1)  # the progress bar has appeared: training runs
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signum)
         _, stderr = process.communicate(timeout=120)
     finally:
         process.kill()
-    assert process.returncode == 130, stderr.decode()
-    assert b"Traceback" not in stderr and b"interrupted\n" in stderr
+    text = stderr.decode()
+    assert process.returncode == status, text
+    assert "Traceback" not in text
+    stopped = re.search(rf"interrupted: stopped by {signal.Signals(signum).name} after step (\d+); its "
+                        r"checkpoint is (\S+) \(resume from it\)", text)
+    assert stopped, text
+    step = int(stopped[1])
+    assert (tmp_path / stopped[2]).is_file() and stopped[2].endswith(f"{step:08d}.pt")
+    assert not (tmp_path / "run" / ".run.lock").exists()  # the folder is released
+    resumed = subprocess.run([sys.executable, "-m", "annotated_transformer", *command, "--resume",
+                              "--steps", str(step + 1), "--no-progress"], cwd=tmp_path, capture_output=True,
+                             timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    assert f"steps: {step + 1}," in resumed.stdout.decode()
 
 
 # --- issue 21: the environment, closed streams, pipes, and the line between a user's error and a bug ------------

@@ -125,10 +125,18 @@ def test_a_new_run_is_refused_where_any_file_of_a_run_is(tmp_path, name):
     with pytest.raises(ValueError, match=name):
         with run_folder(tmp_path, tiny_model().config):
             pass
-    if not name.startswith("step_"):
+    if name == "average.pt":  # a finished run: there is nothing to resume
         with pytest.raises(FileNotFoundError, match=rf"holds no checkpoint to resume \(only {name}\)"):
             check_run_folder(tmp_path, tiny_model().config, resume=True)
+    elif not name.startswith("step_"):  # a run stopped before its first checkpoint: it starts again
+        with pytest.warns(UserWarning, match=rf"holds no checkpoint, only {name}: the run stopped before"):
+            check_run_folder(tmp_path, tiny_model().config, resume=True)
     assert snapshot(tmp_path) == before
+
+
+def test_an_empty_folder_has_nothing_to_resume(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint to resume$"):
+        check_run_folder(tmp_path, tiny_model().config, resume=True)
 
 
 def test_a_finished_run_whose_step_checkpoints_were_deleted_is_not_overwritten(tmp_path, capsys):

@@ -132,12 +132,17 @@ def test_edited_chapter_without_tangling_is_stale(synced: Path) -> None:
     result = run_check(synced)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"stale: {MODULE}" in result.stderr
+    # the advice tangles the same book that was checked
+    assert f"run `python -m annotated_transformer.tangle --root {synced}`" in result.stderr
 
 
 def test_stray_module_is_an_orphan(synced: Path, pristine_modules: dict[str, str]) -> None:
     (synced / PACKAGE / "stray.py").write_text("x = 1\n", encoding="utf-8")
     problems = compare(synced, pristine_modules)  # the chapters did not change
     assert problems == [f"orphan: {PACKAGE}/stray.py (no chapter produces it)"]
+    result = run_check(synced)  # tangling would not help: the advice says what would
+    assert result.returncode == 1 and "delete it, or name it in a chapter" in result.stderr
+    assert "run `python -m annotated_transformer.tangle" not in result.stderr
 
 
 def test_deleted_module_is_missing(synced: Path, pristine_modules: dict[str, str]) -> None:
