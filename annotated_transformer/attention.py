@@ -152,3 +152,38 @@ class KVCache:
         if self.key is not None:
             self.key = self.key.index_select(0, index)
             self.value = self.value.index_select(0, index)
+
+
+class StaticKVCache:
+    """Self-attention keys and values in buffers of fixed shape (B, h, max_len, d_k).
+
+    ``position`` is a 0-dim long tensor, shared with the caller, who advances it.
+    ``update(key, value)`` writes the new positions (B, h, T, d_k) in place at
+    ``position .. position + T - 1`` and returns the whole buffers, so the caller must
+    mask the slots not yet written. ``reorder`` copies in place: the buffers never move.
+    """
+
+    static = False  # its contents change at every step (KVCache's flag), not its shape
+
+    def __init__(self, batch, heads, max_len, d_k, position, dtype=None):
+        shape = (batch, heads, max_len, d_k)
+        self.key = torch.zeros(shape, dtype=dtype, device=position.device)
+        self.value = torch.zeros_like(self.key)
+        self.position = position
+
+    def __len__(self):
+        return self.key.size(2)  # the slots, written or not
+
+    def update(self, key, value):
+        """Write the new keys and values at ``position`` on; return both buffers."""
+        slots = self.position + torch.arange(key.size(2), device=key.device)
+        self.key.index_copy_(2, slots, key.to(self.key.dtype))
+        self.value.index_copy_(2, slots, value.to(self.value.dtype))
+        return self.key, self.value
+
+    def reorder(self, index, length=None):
+        """Keep the batch entries ``index`` (a LongTensor), copied into the same buffers
+        (beam search); with ``length`` (the slots written so far), only those slots."""
+        for buffer in (self.key, self.value):
+            written = buffer if length is None else buffer[:, :, :length]
+            written.copy_(written.index_select(0, index))

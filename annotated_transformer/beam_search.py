@@ -11,8 +11,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from annotated_transformer.decoder import DecoderCache
-from annotated_transformer.decoding import greedy_decode
+from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
+from annotated_transformer.decoding import check_cache_flags, greedy_decode, static_step
 from annotated_transformer.masks import padding_mask
 from annotated_transformer.runtime import as_int, evaluating
 
@@ -43,7 +43,7 @@ class Hypothesis:
 
 @torch.no_grad()
 def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, beam_size=4, length_penalty=0.6,
-                n_best=1, penalty="gnmt", on_step=None):
+                n_best=1, penalty="gnmt", on_step=None, *, static=False, compile=False):
     """Batched beam search. Returns, for each source sentence, its ``n_best`` hypotheses, best first.
 
     A hypothesis' score is the sum of its tokens' log-probabilities; it is ranked by ``score / lp(|Y|)`` where
@@ -54,16 +54,18 @@ def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, beam_si
     ``end_symbol=None`` means there is none (every output has the full length). ``on_step``, if given, is called
     after every step as ``on_step(step, tokens (B, k, step + 1), scores (B, k), finished)``, ``finished`` being
     each sentence's list of finished hypotheses so far.
+    ``static`` and ``compile`` choose the decoder's cache and step, as in
+    ``greedy_decode`` (see ``beam_decoder``).
     """
     beam_size, n_best = as_int(beam_size, "beam_size"), as_int(n_best, "n_best")   # 2.5 is a TypeError
     check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalty)
+    check_cache_flags(True, static, compile)
     if src.size(0) == 0:  # no sentences: no hypotheses
         return []
     batch, k, device = src.size(0), beam_size, src.device
-    memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)   # row b * k + j: beam j of sentence b
-    if src_mask is not None:                                           # None: every source position is visible
-        src_mask = src_mask.repeat_interleave(k, dim=0)
-    cache = DecoderCache(len(model.decoder.layers))
+    memory = model.encode(src, src_mask)                       # once per sentence
+    cache, decode_last = beam_decoder(model, memory, src_mask, k, max_len, static,
+                                      compile)
     tokens = torch.full((batch * k, 1), start_symbol, dtype=src.dtype, device=device)
     score_dtype = torch.float64 if memory.dtype == torch.float64 else torch.float32
     scores = torch.full((batch, k), float("-inf"), device=device, dtype=score_dtype)
@@ -74,8 +76,7 @@ def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, beam_si
     offsets = (torch.arange(batch, device=device) * k).unsqueeze(1)
     for step in range(1, max_len):  # step = tokens generated so far, after this step
         # 1. Score every extension of every beam.
-        out = model.decode(memory, src_mask, tokens[:, -1:], None, cache=cache)
-        log_probs = model.generator(out[:, -1]).to(score_dtype)
+        log_probs = decode_last(tokens[:, -1:]).to(score_dtype)
         vocab = log_probs.size(-1)
         candidates = (scores.view(-1, 1) + log_probs).view(batch, k * vocab)
         top_scores, top_index = candidates.topk(min(2 * k, k * vocab), dim=-1)
@@ -97,6 +98,27 @@ def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, beam_si
             break
         scores = scores.masked_fill(torch.tensor(done, device=device).unsqueeze(1), float("-inf"))
     return [sorted(hyps, key=lambda h: h.penalised, reverse=True)[:n_best] for hyps in finished]
+
+
+def beam_decoder(model, memory, src_mask, k, max_len, static=False, compile=False):
+    """The decoder for the B * k rows of beam search (row b * k + j: beam j of sentence
+    b). Returns the cache, which the search reorders with the beams, and a function from
+    the last tokens (B k, 1) to the log-probabilities (B k, V) of the next ones.
+
+    ``memory`` (B, S, d_model) is the encoder's output, once per sentence. The growing
+    ``DecoderCache`` decodes it repeated k times; a ``StaticDecoderCache``
+    (``static=True``) repeats only its cross-attention keys and values, and
+    ``compile=True`` compiles its step.
+    """
+    if src_mask is not None:                  # None: every source position is visible
+        src_mask = src_mask.repeat_interleave(k, dim=0)
+    if static:
+        cache = StaticDecoderCache(model.decoder, memory, max_len, rows_per_sentence=k)
+        return cache, static_step(model, memory, src_mask, cache, compile)
+    memory = memory.repeat_interleave(k, dim=0)
+    cache = DecoderCache(len(model.decoder.layers))
+    return cache, lambda last: model.generator(
+        model.decode(memory, src_mask, last, None, cache=cache)[:, -1])
 
 
 def check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalty) -> None:

@@ -253,7 +253,8 @@ def add_bench(subparsers) -> None:
                         help="run only these sections (%(choices)s; default: all)")
     parser.add_argument("--json", metavar="PATH", help="also save the results as JSON")
     parser.add_argument("--threads", type=thread_count, help="CPU threads for PyTorch")
-    parser.add_argument("--compile", action="store_true", help="torch.compile both models in the training section")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time both models compiled, in the training section")
     timing = parser.add_argument_group("timing")
     timing.add_argument("--clock", choices=Choices("measure", "CLOCKS", sort=True), default="wall",
                         help="wall: elapsed time (default); cpu: the process's CPU time, steadier on a busy machine "

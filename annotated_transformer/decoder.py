@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from annotated_transformer.attention import KVCache
+from annotated_transformer.attention import KVCache, StaticKVCache
 from annotated_transformer.encoder import stack
-from annotated_transformer.runtime import check_module
+from annotated_transformer.runtime import check_module, check_size
 from annotated_transformer.sublayers import SublayerConnection, clones
 
 
@@ -86,10 +86,54 @@ class Decoder(nn.Module):
             if value.dim() != 3 or value.size(-1) != self.size:
                 raise ValueError(f"{name} must have shape (batch, length, {self.size}), got {tuple(value.shape)}")
         if cache is not None:
-            if not isinstance(cache, DecoderCache):
-                raise TypeError(f"cache must be a DecoderCache, got {type(cache).__name__}")
+            if not isinstance(cache, (DecoderCache, StaticDecoderCache)):
+                name = type(cache).__name__
+                raise TypeError(f"cache must be a DecoderCache or a StaticDecoderCache,"
+                                f" got {name}")
             if len(cache.layers) != len(self.layers):
                 raise ValueError(f"cache has {len(cache.layers)} layers, the decoder {len(self.layers)}")
         for i, layer in enumerate(self.layers):
             x = layer(x, memory, src_mask, tgt_mask, None if cache is None else cache.layers[i])
         return self.norm(x)
+
+
+class StaticDecoderCache:
+    """A decoder cache of fixed shapes for up to ``max_len`` target positions.
+
+    ``layers[i]`` is ``(StaticKVCache, KVCache(static=True))`` for layer ``i``: the
+    self-attention buffers, (B * rows_per_sentence, h, max_len, d_k), and the
+    cross-attention keys and values, projected here from ``memory`` (B, S, d_model) once
+    per sentence and repeated for each of its ``rows_per_sentence`` rows (beams).
+    ``position`` (a 0-dim long tensor) is the next slot to write; callers advance it.
+    """
+
+    def __init__(self, decoder, memory, max_len: int, rows_per_sentence: int = 1):
+        check_size("max_len", max_len)
+        check_size("rows_per_sentence", rows_per_sentence)
+        self.max_len = max_len
+        self.position = torch.zeros((), dtype=torch.long, device=memory.device)
+        self.slots = torch.arange(max_len, device=memory.device)
+        self.layers = []
+        for layer in decoder.layers:
+            own, cross = layer.self_attn, layer.src_attn
+            key, value = (cross.split_heads(project(memory)).repeat_interleave(
+                rows_per_sentence, dim=0) for project in (cross.w_k, cross.w_v))
+            rows = key.size(0)
+            slots = StaticKVCache(rows, own.h, max_len, own.d_k, self.position,
+                                  key.dtype)
+            self.layers.append((slots, KVCache(static=True, key=key, value=value)))
+
+    def mask(self, length: int) -> torch.Tensor:
+        """(1, length, max_len) bool: new position ``position + i`` may attend to the
+        slots ``0 .. position + i``."""
+        queries = self.position + torch.arange(length, device=self.slots.device)
+        return (self.slots <= queries.unsqueeze(1)).unsqueeze(0)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` of the self-attention buffers, in place. Each row must
+        stay among its sentence's rows (as beams do): the cross-attention keys and
+        values, the same for all of them, are not moved. Only the slots written so far
+        are copied (reading the position waits for a GPU, as beam search does)."""
+        written = int(self.position)
+        for self_cache, _ in self.layers:
+            self_cache.reorder(index, written)

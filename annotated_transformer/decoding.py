@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from annotated_transformer.decoder import DecoderCache
+from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
 from annotated_transformer.masks import padding_mask, subsequent_mask
 from annotated_transformer.runtime import evaluating, get_device
 from annotated_transformer.trainer import copy_batches
@@ -14,25 +14,31 @@ from annotated_transformer.trainer import copy_batches
 
 @torch.no_grad()
 def greedy_decode(model, src, src_mask, max_len, start_symbol, end_symbol=None, use_cache=True,
-                  return_log_probs=False):
+                  return_log_probs=False, *, static=False, compile=False):
     """Greedy decoding of a batch: the most probable token at every step.
 
     Returns the tokens, shape (B, T) with T <= max_len, starting with ``start_symbol``. A sentence that has
     produced ``end_symbol`` is finished: its later positions hold ``end_symbol`` too, and decoding stops when
     every sentence has finished. With ``return_log_probs=True`` also returns the log-probability of each chosen
     token, shape (B, T - 1) (0 after a sentence has finished).
+
+    ``use_cache=False`` recomputes the prefix at every step; ``use_cache=True`` keeps a
+    growing ``DecoderCache`` or, with ``static=True``, a ``StaticDecoderCache`` of fixed
+    shapes, whose step ``compile=True`` compiles (see ``greedy_static``).
     """
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
     if src.dim() != 2 or src.size(1) == 0:
         raise ValueError(f"src must have shape (batch, length >= 1), got {tuple(src.shape)}")
+    check_cache_flags(use_cache, static, compile)
     memory = model.encode(src, src_mask)
     batch = src.size(0)
     ys = torch.full((batch, 1), start_symbol, dtype=src.dtype, device=src.device)
     chosen = []
     finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
-    cache = DecoderCache(len(model.decoder.layers)) if use_cache else None
-    for _ in range(max_len - 1):
+    growing = use_cache and not static
+    cache = DecoderCache(len(model.decoder.layers)) if growing else None
+    for _ in range(0 if static else max_len - 1):  # static: greedy_static's loop, below
         if use_cache:  # feed only the newest token; the cache holds the rest
             out = model.decode(memory, src_mask, ys[:, -1:], None, cache=cache)
         else:          # feed the whole prefix and recompute every position
@@ -47,10 +53,27 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol, end_symbol=None, 
         chosen.append(best)
         if end_symbol is not None and bool(finished.all()):
             break
+    if static:
+        ys, chosen = greedy_static(model, memory, src_mask, max_len, ys, end_symbol,
+                                   compile)
     if return_log_probs:
         scores = torch.stack(chosen, dim=1) if chosen else ys.new_zeros((batch, 0), dtype=torch.float)
         return ys, scores
     return ys
+
+
+def check_cache_flags(use_cache, static, compile) -> None:
+    """Refuse a combination of greedy_decode's cache flags that cannot be honoured."""
+    flags = {"use_cache": use_cache, "static": static, "compile": compile}
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            kind = type(flag).__name__
+            raise TypeError(f"{name} must be True or False, got {kind} {flag!r}")
+    if static and not use_cache:
+        raise ValueError("static=True needs use_cache=True (a static cache is a cache)")
+    if compile and not static:
+        raise ValueError("compile=True needs static=True: a growing cache changes "
+                         "shape at every step")
 
 
 def copy_accuracy(model, *, vocab: int, seq_len: int, n: int = 1000, seed: int = 12345, start: int = 1,
@@ -62,3 +85,105 @@ def copy_accuracy(model, *, vocab: int, seq_len: int, n: int = 1000, seed: int =
     with evaluating(model):
         output = greedy_decode(model, src, padding_mask(src, 0), seq_len, start)
     return (output[:, 1:].cpu() == batch.src[:, 1:]).all(dim=1).float().mean().item()
+
+
+def decode_step(model, memory, src_mask, cache, tokens):
+    """One step on a StaticDecoderCache: the new ``tokens`` (B, T) at ``cache.position``
+    -> the log-probabilities (B, V) of the token after the last.
+
+    Writes the tokens' keys and values into the cache's slots and advances
+    ``cache.position`` by T, in place. No shape depends on the position (a tensor), so
+    ``torch.compile`` compiles the step once for every position.
+    """
+    x = model.tgt_embed(tokens, cache.position)
+    out = model.decoder(x, memory, src_mask, cache.mask(tokens.size(1)), cache)
+    cache.position.add_(tokens.size(1))
+    return model.generator(out[:, -1])
+
+
+COMPILED_STEPS = {}  # one compiled decode_step per kind of device, made on first use
+MAX_STEP_GRAPHS = 64  # graphs of the compiled step (models, shapes) dynamo may keep
+
+
+def compiled_decode_step(device):
+    """``decode_step`` compiled as one graph (``fullgraph=True``): with CUDA graphs
+    ("reduce-overhead") on a GPU, in the default mode elsewhere. Compiled code is reused
+    by every later call with the same shapes.
+
+    Each model, and a batch of one beside larger ones, gets graphs of its own; the first
+    call raises dynamo's limit on graphs per function to at least ``MAX_STEP_GRAPHS``.
+    """
+    kind = torch.device(device).type
+    if kind not in COMPILED_STEPS:
+        limits = torch._dynamo.config
+        limits.recompile_limit = max(limits.recompile_limit, MAX_STEP_GRAPHS)
+        mode = "reduce-overhead" if kind == "cuda" else None
+        compiled = torch.compile(decode_step, mode=mode, fullgraph=True)
+
+        def step(model, memory, src_mask, cache, tokens):
+            if kind == "cuda":  # the next replay may overwrite this one's outputs
+                torch.compiler.cudagraph_mark_step_begin()
+            return compiled(model, memory, src_mask, cache, tokens)
+
+        COMPILED_STEPS[kind] = step
+    return COMPILED_STEPS[kind]
+
+
+def static_step(model, memory, src_mask, cache, compile=False):
+    """``decode_step`` bound to a model, its memory and a StaticDecoderCache: a function
+    from the new tokens to the log-probabilities.
+
+    With ``compile=True`` it is ``compiled_decode_step``; on a GPU the cache's buffers
+    are then marked as static addresses, so that a CUDA graph may write into them (they
+    never move: reorder copies in place).
+    """
+    table = getattr(getattr(model.tgt_embed, "position", None), "max_len", None)
+    if table is not None and cache.max_len > table:  # no step checks a position tensor
+        raise ValueError(f"max_len is {cache.max_len}, but the model's positional "
+                         f"table has {table} positions")
+    step = compiled_decode_step(memory.device) if compile else decode_step
+    if compile and memory.device.type == "cuda":
+        for own, cross in cache.layers:
+            for buffer in (own.key, own.value, cross.key, cross.value):
+                torch._dynamo.mark_static_address(buffer)
+        torch._dynamo.mark_static_address(cache.position)
+    # contiguous: a column of a wider tensor has other strides, and a compiled step
+    # would be compiled again for them
+    return lambda tokens: step(model, memory, src_mask, cache, tokens.contiguous())
+
+
+STOP_CHECK_EVERY = {"cuda": 8}  # steps between two checks that all have finished (or 1)
+
+
+def greedy_static(model, memory, src_mask, max_len, ys, end_symbol=None, compile=False):
+    """The loop of greedy_decode on a StaticDecoderCache: returns the tokens (B, T) and
+    the list of the chosen log-probabilities (B,) of each step, as greedy_decode's own
+    loop would. ``ys`` (B, 1) holds the start symbols.
+
+    On a GPU, asking whether every sentence has finished waits for the GPU, so there the
+    loop asks every ``STOP_CHECK_EVERY["cuda"]`` steps only, then cuts the steps it took
+    after every sentence had finished. On a CPU, where asking is free, it asks at each
+    step.
+    """
+    cache = StaticDecoderCache(model.decoder, memory, max_len)
+    step = static_step(model, memory, src_mask, cache, compile)
+    check_every = STOP_CHECK_EVERY.get(memory.device.type, 1)
+    tokens, chosen = [ys], []
+    finished = torch.zeros(ys.size(0), dtype=torch.bool, device=ys.device)
+    for t in range(1, max_len):
+        best, next_word = step(tokens[-1]).max(dim=-1)
+        if end_symbol is not None:
+            next_word = next_word.masked_fill(finished, end_symbol)
+            best = best.masked_fill(finished, 0.0)
+            finished |= next_word == end_symbol
+        tokens.append(next_word.unsqueeze(1))
+        chosen.append(best)
+        if end_symbol is not None and t % check_every == 0 and bool(finished.all()):
+            break
+    ys = torch.cat(tokens, dim=1)
+    if end_symbol is not None:  # cut where the last sentence ended (checks come late)
+        ended = ys[:, 1:] == end_symbol
+        if bool(ended.any(dim=1).all()):
+            length = int(ended.int().argmax(dim=1).max()) + 2
+            ys, chosen = ys[:, :length], chosen[:length - 1]
+    return ys, chosen

@@ -71,7 +71,9 @@ def autocast(device, dtype):
 
 def make_train_step(model: nn.Module, forward: Callable, src, tgt, dtype, pad: int = 0) -> Callable[[], float]:
     """One training step of ``model`` on the batch: forward (teacher forcing), NLL loss, backward, Adam step."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    fused = src.device.type in ("cpu", "cuda")  # one kernel per update, as in training
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98),
+                                 eps=1e-9, fused=fused)
     model.train()
 
     def step():
@@ -140,18 +142,24 @@ def mfu(flops_per_step: float, seconds_per_step: float, peak: float | None) -> f
     return flops_per_step / seconds_per_step / peak
 
 
-def training_throughput(config: dict, batch: int, src_len: int, tgt_len: int, device="cpu",
-                        dtype=torch.float32, steps: int = 10, warmup: int = 2, compile: bool = False,
-                        seed: int = 0, clock: str = "wall") -> dict:
-    """Time training steps of ``make_model`` and of ``TorchTransformer`` with the same configuration, side by side.
+def training_throughput(config: dict, batch: int, src_len: int, tgt_len: int,
+                        device="cpu", dtype=torch.float32, steps: int = 10,
+                        warmup: int = 2, compile: bool = False, seed: int = 0,
+                        clock: str = "wall") -> dict:
+    """Time training steps of ``make_model`` and of ``TorchTransformer`` with the same
+    configuration, side by side; with ``compile``, also both through ``torch.compile``.
 
-    ``config`` holds ``N, d_model, d_ff, h, vocab`` (one shared vocabulary) and optionally ``dropout``. Returns a
-    row with the step times, target tokens per second, the speed ratio ours/torch (> 1: ours is faster), the
-    FLOPs per step and the MFU of each (None where the peak of the device is unknown).
+    ``config`` holds ``N, d_model, d_ff, h, vocab`` (one shared vocabulary) and
+    optionally ``dropout``. Returns a row with, for each variant (``ours``, ``torch``
+    and, compiled, ``ours_compiled``, ``torch_compiled``), the step time ``*_ms``, the
+    target tokens per second ``*_tokens_per_s`` and the MFU ``*_mfu`` (None where the
+    device's peak is unknown); the speed ratios ``ratio`` (ours/torch),
+    ``compiled_ratio`` (ours/torch, both compiled) and ``compile_speedup`` (ours
+    compiled/ours eager), each above 1 when the first is faster; the FLOPs per step.
     """
     device = torch.device(device)
-    sizes = dict(N=config["N"], d_model=config["d_model"], d_ff=config["d_ff"], h=config["h"],
-                 dropout=config.get("dropout", 0.1))
+    sizes = {key: config[key] for key in ("N", "d_model", "d_ff", "h")}
+    sizes["dropout"] = config.get("dropout", 0.1)
     vocab = config["vocab"]
     torch.manual_seed(seed)
     ours = make_model(vocab, vocab, **sizes).to(device)
@@ -160,27 +168,39 @@ def training_throughput(config: dict, batch: int, src_len: int, tgt_len: int, de
     src, tgt = random_batch(vocab, batch, src_len, tgt_len, device, seed)
 
     def ours_forward(src, tgt, pad=0):
-        return ours.generator(ours(src, tgt, padding_mask(src, pad), target_mask(tgt, pad)))
+        masks = padding_mask(src, pad), target_mask(tgt, pad)
+        return ours.generator(ours(src, tgt, *masks))
 
-    forwards = {"ours": ours_forward, "torch": theirs}
-    if compile:
-        forwards = {name: torch.compile(fn) for name, fn in forwards.items()}
-    steps_fns = {"ours": make_train_step(ours, forwards["ours"], src, tgt, dtype),
-                 "torch": make_train_step(theirs, forwards["torch"], src, tgt, dtype)}
-    times = time_side_by_side(steps_fns, device, repeat=steps, warmup=warmup, clock=clock)
-    ours_s, torch_s = statistics.median(times["ours"]), statistics.median(times["torch"])
-    ratio = statistics.median(t / o for o, t in zip(times["ours"], times["torch"]))
+    step_fns = {}
+    for name, model, forward in (("ours", ours, ours_forward),
+                                 ("torch", theirs, theirs)):
+        step_fns[name] = make_train_step(model, forward, src, tgt, dtype)
+        if compile:  # the same model and batch; its first (untimed) call compiles
+            step_fns[f"{name}_compiled"] = make_train_step(
+                model, torch.compile(forward), src, tgt, dtype)
+    times = time_side_by_side(step_fns, device, repeat=steps, warmup=warmup,
+                              clock=clock)
+
+    def ratio(fast, slow):  # the median over rounds of t(slow) / t(fast)
+        return statistics.median(b / a for a, b in zip(times[fast], times[slow]))
+
     flops = train_step_flops(dict(sizes, tgt_vocab=vocab), batch, src_len, tgt_len)
-    peak = peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
+    peak = (peak_flops(torch.cuda.get_device_name(device), dtype)
+            if device.type == "cuda" else None)
     tokens = batch * tgt_len
-    return dict(
-        config=config.get("name", f"N={sizes['N']} d={sizes['d_model']}"), N=sizes["N"], d_model=sizes["d_model"],
-        d_ff=sizes["d_ff"], h=sizes["h"], vocab=vocab, batch=batch, src_len=src_len, tgt_len=tgt_len,
-        params=sum(p.numel() for p in ours.parameters()), tokens=tokens, compiled=compile,
-        ours_ms=1e3 * ours_s, torch_ms=1e3 * torch_s, ours_tokens_per_s=tokens / ours_s,
-        torch_tokens_per_s=tokens / torch_s, ratio=ratio, flops_per_step=flops,
-        ours_mfu=mfu(flops, ours_s, peak), torch_mfu=mfu(flops, torch_s, peak),
-    )
+    row = dict(
+        config=config.get("name", f"N={sizes['N']} d={sizes['d_model']}"), N=sizes["N"],
+        d_model=sizes["d_model"], d_ff=sizes["d_ff"], h=sizes["h"], vocab=vocab,
+        batch=batch, src_len=src_len, tgt_len=tgt_len, tokens=tokens, compiled=compile,
+        params=sum(p.numel() for p in ours.parameters()), flops_per_step=flops,
+        ratio=ratio("ours", "torch"))
+    for name, seconds in ((name, statistics.median(t)) for name, t in times.items()):
+        row[f"{name}_ms"], row[f"{name}_tokens_per_s"] = 1e3 * seconds, tokens / seconds
+        row[f"{name}_mfu"] = mfu(flops, seconds, peak)
+    if compile:
+        row.update(compiled_ratio=ratio("ours_compiled", "torch_compiled"),
+                   compile_speedup=ratio("ours_compiled", "ours"))
+    return row
 
 
 def attention_sweep(lengths, batch: int = 1, heads: int = 8, d_k: int = 64, device="cpu",
@@ -238,19 +258,39 @@ def online_softmax_attention(query, key, value, block_size: int = 64):
     return weighted / running_sum
 
 
-DECODING_METHODS = ("greedy, no cache", "greedy, cache", "beam 4, cache")
+DECODING_METHODS = ("greedy, no cache", "greedy, cache", "greedy, static cache",
+                    "greedy, static cache, compiled", "beam 4, cache",
+                    "beam 4, static cache", "beam 4, static cache, compiled")
+
+
+def decode_with(method, model, src, src_mask, max_len, start, end):
+    """Decode with one of DECODING_METHODS: greedy or beam search (k = 4), with no
+    cache, the growing cache, the static cache, or the static cache and its step
+    compiled."""
+    if method not in DECODING_METHODS:
+        raise ValueError(f"method must be one of {DECODING_METHODS}, got {method!r}")
+    options = dict(static="static cache" in method, compile=method.endswith("compiled"))
+    if method.startswith("beam 4"):
+        return beam_search(model, src, src_mask, max_len, start, end, beam_size=4,
+                           **options)
+    return greedy_decode(model, src, src_mask, max_len, start,
+                         use_cache=method != "greedy, no cache", **options)
 
 
 def decoding_throughput(config: dict, batch_sizes=(1, 64), output_tokens=(16, 64), src_len: int = 16,
                         device="cpu", dtype=torch.float32, repeat: int = 3, seed: int = 0,
-                        clock: str = "wall") -> list[dict]:
-    """Tokens per second of greedy decoding without and with the cache, and of beam search (k = 4, cached).
+                        clock: str = "wall", methods=DECODING_METHODS) -> list[dict]:
+    """Tokens per second of each of ``methods`` (see ``decode_with``), the first being
+    "greedy, no cache".
 
     The model is ``make_model`` with ``config`` (``N, d_model, d_ff, h, vocab``) and random weights. The end
     symbol is forbidden, so every method generates exactly ``tokens`` tokens per sentence, for each number in
     ``output_tokens``; beam search counts the tokens of the returned (best) hypothesis. One row per (method, batch
     size, tokens), with ``speedup``: the median over rounds of t(greedy, no cache) / t(method).
+    The untimed warm-up call of a compiled method compiles its step.
     """
+    if not methods or methods[0] != "greedy, no cache":
+        raise ValueError(f"methods must start with 'greedy, no cache', got {methods!r}")
     device = torch.device(device)
     vocab, start, end = config["vocab"], 1, 2
     torch.manual_seed(seed)
@@ -265,16 +305,15 @@ def decoding_throughput(config: dict, batch_sizes=(1, 64), output_tokens=(16, 64
         for tokens in output_tokens:
             def run(method, max_len=tokens + 1):  # the start symbol, then the tokens
                 with autocast(device, dtype):
-                    if method == "beam 4, cache":
-                        beam_search(model, src, src_mask, max_len, start, end, beam_size=4)
-                    else:
-                        greedy_decode(model, src, src_mask, max_len, start, use_cache=method == "greedy, cache")
+                    decode_with(method, model, src, src_mask, max_len, start, end)
 
-            times = time_side_by_side({method: lambda m=method: run(m) for method in DECODING_METHODS}, device,
-                                      repeat=repeat, warmup=1, clock=clock)
-            for method in DECODING_METHODS:
+            fns = {method: lambda m=method: run(m) for method in methods}
+            times = time_side_by_side(fns, device, repeat=repeat, warmup=1, clock=clock)
+            reference = times[methods[0]]
+            for method in methods:
                 seconds = statistics.median(times[method])
-                speedup = statistics.median(u / t for u, t in zip(times[DECODING_METHODS[0]], times[method]))
+                ratios = (u / t for u, t in zip(reference, times[method]))
+                speedup = statistics.median(ratios)
                 rows.append(dict(method=method, batch=batch, src_len=src_len, tokens=tokens, max_len=tokens + 1,
                                  tokens_per_s=batch * tokens / seconds, ms_per_step=1e3 * seconds / tokens,
                                  speedup=speedup))
@@ -287,6 +326,11 @@ TRAINING_COLUMNS = [
     ("torch ms", "torch_ms", "{:.1f}"), ("ours tok/s", "ours_tokens_per_s", "{:,.0f}"),
     ("torch tok/s", "torch_tokens_per_s", "{:,.0f}"), ("ours/torch", "ratio", "{:.3f}"),
     ("ours MFU", "ours_mfu", "{:.1%}"), ("torch MFU", "torch_mfu", "{:.1%}"),
+    ("ours compiled ms", "ours_compiled_ms", "{:.1f}"),
+    ("torch compiled ms", "torch_compiled_ms", "{:.1f}"),
+    ("compiled ours/torch", "compiled_ratio", "{:.3f}"),
+    ("compiled/eager", "compile_speedup", "{:.3f}"),
+    ("ours compiled MFU", "ours_compiled_mfu", "{:.1%}"),
 ]
 ATTENTION_COLUMNS = [
     ("n", "n", "{}"), ("B", "batch", "{}"), ("h", "heads", "{}"),

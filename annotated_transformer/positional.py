@@ -33,6 +33,9 @@ def check_positions(x: torch.Tensor, offset: int, d_model: int, max_len: int) ->
     """Check that ``x`` is ``(batch, length, d_model)`` and positions ``offset .. offset + length - 1`` exist."""
     if x.dim() != 3 or x.size(-1) != d_model:
         raise ValueError(f"x must have shape (batch, length, d_model={d_model}), got {tuple(x.shape)}")
+    if isinstance(offset, torch.Tensor) and offset.dim() == 0 and offset.dtype in (
+            torch.int64, torch.int32):
+        return  # a position tensor: comparing it with max_len would wait for its value
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"offset must be a non-negative int (the position of x[:, 0]), got {offset!r}")
     if offset + x.size(1) > max_len:
@@ -40,6 +43,15 @@ def check_positions(x: torch.Tensor, offset: int, d_model: int, max_len: int) ->
             f"positions {offset}..{offset + x.size(1) - 1} exceed the positional table (max_len={max_len}); "
             f"build the module with a larger max_len"
         )
+
+
+def table_rows(table: torch.Tensor, offset, length: int) -> torch.Tensor:
+    """Rows ``offset .. offset + length - 1`` of ``table``; ``offset`` is an int or a
+    0-dim integer tensor."""
+    if isinstance(offset, torch.Tensor):
+        rows = offset + torch.arange(length, device=offset.device)
+        return table.index_select(0, rows)
+    return table[offset: offset + length]
 
 
 class PositionalEncoding(nn.Module):
@@ -57,7 +69,7 @@ class PositionalEncoding(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         check_positions(x, offset, self.d_model, self.max_len)
-        return self.dropout(x + self.pe[:, offset: offset + x.size(1)].to(x.dtype))
+        return self.dropout(x + table_rows(self.pe[0], offset, x.size(1)).to(x.dtype))
 
 
 class LearnedPositionalEmbedding(nn.Module):
@@ -77,4 +89,4 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         check_positions(x, offset, self.d_model, self.max_len)
-        return self.dropout(x + self.weight[offset: offset + x.size(1)].to(x.dtype))
+        return self.dropout(x + table_rows(self.weight, offset, x.size(1)).to(x.dtype))

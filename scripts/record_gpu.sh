@@ -2,7 +2,8 @@
 # Record the book's GPU figures on a machine with one CUDA GPU, in steps that each fit in about ten minutes.
 #
 #   scripts/record_gpu.sh prepare       # on a machine with the book's environment (jupytext, the data folder)
-#   scripts/record_gpu.sh translation   # on the GPU machine: the full Multi30k run (book/results/multi30k-full.json)
+#   scripts/record_gpu.sh translation   # on the GPU machine: the full Multi30k run (book/results/multi30k-full.json);
+#                                       # options are passed on (`translation --compile` for a compiled run)
 #   scripts/record_gpu.sh checks        # on the GPU machine: CUDA tests, benchmarks, the copy task in mixed precision
 #   scripts/record_gpu.sh chapters [NAME...]  # on the GPU machine: chapters as scripts, full profile
 #
@@ -68,7 +69,9 @@ translation)
 checks)
     enter_step
     "$PYTHON" -m pytest tests -m cuda -q -rs -p no:cacheprovider -p no:nbval 2>&1 | tee "$OUT/cuda-tests.log" || status=$?
-    "$PYTHON" -m annotated_transformer bench "${TINY[@]}" --device "$AT_DEVICE" --json "$RESULTS/bench_gpu.json" 2>&1 \
+    # eager and compiled, training and decoding (the static cache's compiled step uses CUDA graphs)
+    "$PYTHON" -m annotated_transformer bench "${TINY[@]}" --compile --device "$AT_DEVICE" \
+        --json "$RESULTS/bench_gpu.json" 2>&1 \
         | tee "$OUT/bench.log"
     [ "$RESULTS" = "$OUT/results" ] || cp "$RESULTS/bench_gpu.json" "$OUT/"
     "$PYTHON" -m annotated_transformer train --task copy "${COPY[@]}" --device "$AT_DEVICE" --no-progress 2>&1 \

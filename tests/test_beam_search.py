@@ -20,10 +20,13 @@ from annotated_transformer.beam_search import (
 )
 from annotated_transformer.beam_search import positional_limits, translate_lines
 from annotated_transformer.cli import main
-from annotated_transformer.decoder import DecoderCache
+from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
 from annotated_transformer.decoding import greedy_decode
 from annotated_transformer.masks import padding_mask, subsequent_mask
 from annotated_transformer.model import make_model
+# The decoder's caches, each checked against the exhaustive search, and the (autouse) fixture that makes a compiled
+# case fail rather than fall back to eager code: the decoding tests'.
+from test_decoding import CACHES, compiled_code_or_failure  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, START, END = 0, 1, 2
@@ -79,13 +82,14 @@ def test_length_penalty_values():
 
 # --- equivalences ------------------------------------------------------------------------------------------------
 
-def test_beam_size_one_without_penalty_is_greedy():
+@pytest.mark.parametrize("cache", ["growing", "static"])
+def test_beam_size_one_without_penalty_is_greedy(cache):
     src = torch.tensor([[3, 4, 4, 3, 1], [4, 3, PAD, PAD, PAD], [3, 3, 3, PAD, PAD]])
     mask = padding_mask(src, PAD)
     for seed in range(6):
         model = tiny_model(seed, end_bias=0.0)
         greedy, greedy_lp = greedy_decode(model, src, mask, 8, START, END, return_log_probs=True)
-        found = beam_search(model, src, mask, 8, START, END, beam_size=1, penalty="none")
+        found = beam_search(model, src, mask, 8, START, END, beam_size=1, penalty="none", **CACHES[cache])
         for i, (best,) in enumerate(found):
             tokens = greedy[i]
             if (tokens == END).any():
@@ -105,8 +109,9 @@ def test_beam_size_one_without_end_symbol_is_greedy():
         assert best.score == pytest.approx(greedy_lp[i].sum().item(), abs=1e-12)
 
 
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("kind,alpha", PENALTIES)
-def test_widest_beam_equals_exhaustive_search(kind, alpha):
+def test_widest_beam_equals_exhaustive_search(kind, alpha, cache):
     max_len = 5
     for seed in range(2):
         model = tiny_model(seed)
@@ -116,7 +121,7 @@ def test_widest_beam_equals_exhaustive_search(kind, alpha):
         best = scores.argmax().item()
         widths = (1, 2, 4, 16, len(outputs))
         found = {k: beam_search(model, SRC, SRC_MASK, max_len, START, END, beam_size=k, length_penalty=alpha,
-                                penalty=kind)[0][0] for k in widths}
+                                penalty=kind, **CACHES[cache])[0][0] for k in widths}
         exact = found[len(outputs)]
         assert torch.equal(exact.tokens, outputs[best, : lengths[best] + 1])
         assert exact.score == pytest.approx(log_p[best].item(), abs=1e-12)
@@ -125,12 +130,13 @@ def test_widest_beam_equals_exhaustive_search(kind, alpha):
             assert hyp.penalised <= exact.penalised + 1e-12, k
 
 
-def test_n_best_of_the_widest_beam_are_the_n_best_outputs():
+@pytest.mark.parametrize("cache", ["growing", "static"])
+def test_n_best_of_the_widest_beam_are_the_n_best_outputs(cache):
     model = tiny_model(0)
     outputs, lengths, log_p = enumerate_outputs(model, SRC, SRC_MASK, 5, vocab=5)
     scores = penalised(log_p, lengths, "gnmt", 0.6)
     top = scores.topk(6)
-    hyps = beam_search(model, SRC, SRC_MASK, 5, START, END, beam_size=len(outputs), n_best=6)[0]
+    hyps = beam_search(model, SRC, SRC_MASK, 5, START, END, beam_size=len(outputs), n_best=6, **CACHES[cache])[0]
     assert len(hyps) == 6
     torch.testing.assert_close(torch.tensor([h.penalised for h in hyps], dtype=torch.float64), top.values,
                                rtol=0, atol=1e-12)
@@ -138,12 +144,13 @@ def test_n_best_of_the_widest_beam_are_the_n_best_outputs():
         assert torch.equal(hyp.tokens, outputs[index, : lengths[index] + 1])
 
 
-def test_hypotheses_scores_are_the_model_log_probabilities():
+@pytest.mark.parametrize("cache", ["growing", "static"])
+def test_hypotheses_scores_are_the_model_log_probabilities(cache):
     """Raw scores of returned hypotheses (n-best, narrow beam) equal a teacher-forced rescoring."""
     model = tiny_model(4, vocab=7, end_bias=-0.5)
     src = torch.tensor([[3, 4, 5, 6, 3]])
     mask = padding_mask(src, PAD)
-    for hyp in beam_search(model, src, mask, 8, START, END, beam_size=4, n_best=4)[0]:
+    for hyp in beam_search(model, src, mask, 8, START, END, beam_size=4, n_best=4, **CACHES[cache])[0]:
         tgt = hyp.tokens.unsqueeze(0)
         with torch.no_grad():
             log_probs = model.generator(model(src, tgt[:, :-1], mask, subsequent_mask(tgt.size(1) - 1)))
@@ -208,31 +215,34 @@ def test_on_step_reports_shapes():
 
 # --- batches -----------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("cache", ["growing", "static"])
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_beams_do_not_leak_between_sentences(norm_first):
+def test_beams_do_not_leak_between_sentences(norm_first, cache):
     model = tiny_model(1, vocab=7, end_bias=-0.5, norm_first=norm_first)
     src = torch.tensor([[3, 4, 5, 6, 3, 4], [6, 5, PAD, PAD, PAD, PAD], [4, 4, 6, 3, PAD, PAD]])
-    together = beam_search(model, src, padding_mask(src, PAD), 9, START, END, beam_size=3, n_best=3)
+    together = beam_search(model, src, padding_mask(src, PAD), 9, START, END, beam_size=3, n_best=3, **CACHES[cache])
     for i in range(3):
         alone_src = src[i:i + 1, : int((src[i] != PAD).sum())]
-        alone = beam_search(model, alone_src, padding_mask(alone_src, PAD), 9, START, END, beam_size=3, n_best=3)[0]
+        alone = beam_search(model, alone_src, padding_mask(alone_src, PAD), 9, START, END, beam_size=3, n_best=3,
+                            **CACHES[cache])[0]
         assert len(alone) == len(together[i]) == 3
         for a, t in zip(alone, together[i]):
             assert torch.equal(a.tokens, t.tokens)
             assert a.score == pytest.approx(t.score, abs=1e-12)
 
 
-def test_reorder_is_needed():
+@pytest.mark.parametrize("cache_class", [DecoderCache, StaticDecoderCache])
+def test_reorder_is_needed(cache_class, monkeypatch):
     """Without reordering the cache, the full-width search no longer matches the enumeration."""
     model = tiny_model(0)
     outputs, lengths, log_p = enumerate_outputs(model, SRC, SRC_MASK, 5, vocab=5)
     top = penalised(log_p, lengths, "gnmt", 0.6).topk(5).values
-    original = DecoderCache.reorder
-    DecoderCache.reorder = lambda self, index: None
-    try:
-        hyps = beam_search(model, SRC, SRC_MASK, 5, START, END, beam_size=len(outputs), n_best=5)[0]
-    finally:
-        DecoderCache.reorder = original
+    static = cache_class is StaticDecoderCache
+    right = beam_search(model, SRC, SRC_MASK, 5, START, END, beam_size=len(outputs), n_best=5, static=static)[0]
+    torch.testing.assert_close(torch.tensor([h.penalised for h in right], dtype=torch.float64), top, rtol=0,
+                               atol=1e-12)
+    monkeypatch.setattr(cache_class, "reorder", lambda self, index: None)
+    hyps = beam_search(model, SRC, SRC_MASK, 5, START, END, beam_size=len(outputs), n_best=5, static=static)[0]
     assert not torch.allclose(torch.tensor([h.penalised for h in hyps], dtype=torch.float64), top, atol=1e-9)
 
 
@@ -534,8 +544,9 @@ def test_translate_help(capsys):
 # --- CUDA -----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cache", CACHES)  # compiled: CUDA graphs (mode "reduce-overhead")
 @pytest.mark.parametrize("kind,alpha", PENALTIES[:3])
-def test_beam_search_on_cuda_equals_cpu_and_exhaustive(kind, alpha):
+def test_beam_search_on_cuda_equals_cpu_and_exhaustive(kind, alpha, cache):
     model = tiny_model(0)
     outputs, lengths, log_p = enumerate_outputs(model, SRC, SRC_MASK, 5, vocab=5)
     best = penalised(log_p, lengths, kind, alpha).argmax().item()
@@ -543,7 +554,7 @@ def test_beam_search_on_cuda_equals_cpu_and_exhaustive(kind, alpha):
     mask = padding_mask(src, PAD)
     cpu = beam_search(model, src, mask, 5, START, END, beam_size=341, length_penalty=alpha, penalty=kind, n_best=3)
     gpu = beam_search(model.cuda(), src.cuda(), mask.cuda(), 5, START, END, beam_size=341, length_penalty=alpha,
-                      penalty=kind, n_best=3)
+                      penalty=kind, n_best=3, **CACHES[cache])
     assert torch.equal(gpu[0][0].tokens.cpu(), outputs[best, : lengths[best] + 1])
     for c_hyps, g_hyps in zip(cpu, gpu):
         for c, g in zip(c_hyps, g_hyps):

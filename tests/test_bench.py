@@ -71,7 +71,7 @@ def test_smoke_command_prints_every_table_and_saves_json(tmp_path) -> None:
                                         f"--clock cpu --json {out}")
     for section in SECTIONS:
         assert saved[section], section
-    assert {row["method"] for row in saved["decoding"]} == {"greedy, no cache", "greedy, cache", "beam 4, cache"}
+    assert {row["method"] for row in saved["decoding"]} == set(DECODING_METHODS)
     assert {row["kind"] for row in saved["layers"]} == set(LAYER_KINDS)
     row = saved["training"][0]
     assert row["ours_mfu"] is None and row["torch_mfu"] is None  # no peak is known for a CPU
@@ -245,3 +245,18 @@ def test_gpu_path_bf16_training_mfu_and_memory() -> None:
         assert r["fused_peak_bytes"] < r["explicit_peak_bytes"]
     assert all(r["peak_bytes"] is not None for r in results["layers"])
     assert math.isfinite(results["training"][0]["ratio"])
+
+
+def test_the_compiled_training_rows_are_timed_beside_the_eager_ones() -> None:
+    """compile=True: the four variants in the same rounds, with the three ratios (compiling takes seconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        row = training_throughput(dict(N=1, d_model=16, d_ff=32, h=2, vocab=50), 2, 6, 6, steps=2, warmup=1,
+                                  compile=True)
+    finally:
+        torch.set_num_threads(threads)
+    for name in ("ours", "torch", "ours_compiled", "torch_compiled"):
+        assert row[f"{name}_ms"] > 0 and row[f"{name}_mfu"] is None
+        assert row[f"{name}_tokens_per_s"] == pytest.approx(row["tokens"] / row[f"{name}_ms"] * 1e3)
+    assert all(row[key] > 0 for key in ("ratio", "compiled_ratio", "compile_speedup")) and row["compiled"]

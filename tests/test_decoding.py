@@ -10,6 +10,17 @@ from annotated_transformer.decoding import greedy_decode
 from annotated_transformer.masks import padding_mask, subsequent_mask
 
 PAD, START, END = 0, 1, 2
+# The cached ways of decoding, each compared with the recomputing one (use_cache=False): the growing cache, the
+# static cache, and the static cache with its step compiled (on a CPU: the default mode of torch.compile).
+CACHES = {"growing": {}, "static": dict(static=True), "compiled": dict(static=True, compile=True)}
+
+
+@pytest.fixture(autouse=True)
+def compiled_code_or_failure():
+    """The "compiled" cases compile one graph per model and shape: allow more than dynamo's default of 8, and fail
+    rather than fall back to eager code at the limit, so that a compiled case really runs compiled code."""
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        yield
 
 
 @pytest.fixture
@@ -38,31 +49,34 @@ def end_positions(tokens):
     return [(row == END).nonzero()[0].item() if (row == END).any() else None for row in tokens]
 
 
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_cache_equals_no_cache_with_padding(norm_first, small_model):
+def test_cache_equals_no_cache_with_padding(norm_first, cache, small_model):
     for seed in range(3):
         model = small_model(seed, norm_first)
         src, mask = padded_batch()
-        cached, cached_lp = greedy_decode(model, src, mask, 20, START, END, return_log_probs=True)
+        cached, cached_lp = greedy_decode(model, src, mask, 20, START, END, return_log_probs=True, **CACHES[cache])
         full, full_lp = greedy_decode(model, src, mask, 20, START, END, use_cache=False, return_log_probs=True)
         assert torch.equal(cached, full)
         assert cached_lp.dtype == torch.float64
         torch.testing.assert_close(cached_lp, full_lp, rtol=0, atol=1e-12)
 
 
-def test_cache_equals_no_cache_without_end_symbol(small_model):
+@pytest.mark.parametrize("cache", CACHES)
+def test_cache_equals_no_cache_without_end_symbol(cache, small_model):
     model = small_model(1, end_bias=0.0)
     src, mask = padded_batch()
-    cached, cached_lp = greedy_decode(model, src, mask, 16, START, return_log_probs=True)
+    cached, cached_lp = greedy_decode(model, src, mask, 16, START, return_log_probs=True, **CACHES[cache])
     full, full_lp = greedy_decode(model, src, mask, 16, START, use_cache=False, return_log_probs=True)
     assert cached.shape == (6, 16) and torch.equal(cached, full)
     torch.testing.assert_close(cached_lp, full_lp, rtol=0, atol=1e-12)
 
 
-def test_each_sentence_stops_at_its_end_symbol(small_model):
+@pytest.mark.parametrize("cache", ["growing", "static"])
+def test_each_sentence_stops_at_its_end_symbol(cache, small_model):
     model = small_model(2, end_bias=1.25)
     src, mask = padded_batch()
-    out, log_probs = greedy_decode(model, src, mask, 25, START, END, return_log_probs=True)
+    out, log_probs = greedy_decode(model, src, mask, 25, START, END, return_log_probs=True, **CACHES[cache])
     ends = end_positions(out)
     assert out[:, 0].eq(START).all()
     assert any(e is not None for e in ends)
@@ -76,20 +90,23 @@ def test_each_sentence_stops_at_its_end_symbol(small_model):
         assert out.size(1) == 25
 
 
-def test_decoding_stops_early_when_all_sentences_end(small_model):
+@pytest.mark.parametrize("cache", ["growing", "static"])
+def test_decoding_stops_early_when_all_sentences_end(cache, small_model):
     model = small_model(0, end_bias=6.0)  # the end symbol is by far the most likely token
     src, mask = padded_batch()
-    out = greedy_decode(model, src, mask, 30, START, END)
+    out = greedy_decode(model, src, mask, 30, START, END, **CACHES[cache])
     assert out.tolist() == [[START, END]] * 6
 
 
-def test_sentence_alone_equals_sentence_in_padded_batch(small_model):
+@pytest.mark.parametrize("cache", ["growing", "static"])
+def test_sentence_alone_equals_sentence_in_padded_batch(cache, small_model):
     model = small_model(3)
     src, mask = padded_batch()
-    out, log_probs = greedy_decode(model, src, mask, 15, START, END, return_log_probs=True)
+    out, log_probs = greedy_decode(model, src, mask, 15, START, END, return_log_probs=True, **CACHES[cache])
     for i in range(src.size(0)):
         alone = src[i:i + 1, : int((src[i] != PAD).sum())]
-        tokens, lp = greedy_decode(model, alone, padding_mask(alone, PAD), 15, START, END, return_log_probs=True)
+        tokens, lp = greedy_decode(model, alone, padding_mask(alone, PAD), 15, START, END, return_log_probs=True,
+                                   **CACHES[cache])
         assert torch.equal(tokens[0], out[i, : tokens.size(1)])
         torch.testing.assert_close(lp[0], log_probs[i, : lp.size(1)], rtol=0, atol=1e-12)
 
@@ -127,10 +144,11 @@ def test_cached_step_uses_the_true_position(small_model):
     assert len(good) == 4
 
 
-def test_max_len_one_returns_the_start_symbol(small_model):
+@pytest.mark.parametrize("cache", ["growing", "static"])
+def test_max_len_one_returns_the_start_symbol(cache, small_model):
     model = small_model()
     src, mask = padded_batch()
-    out, log_probs = greedy_decode(model, src, mask, 1, START, END, return_log_probs=True)
+    out, log_probs = greedy_decode(model, src, mask, 1, START, END, return_log_probs=True, **CACHES[cache])
     assert out.tolist() == [[START]] * 6 and log_probs.shape == (6, 0)
 
 
@@ -160,19 +178,21 @@ def test_training_mode_dropout_makes_decoding_random_and_eval_fixes_it(small_mod
     assert torch.equal(runs[0], runs[1])
 
 
-def test_float32_model_gives_float32_log_probs(small_model):
+@pytest.mark.parametrize("cache", ["growing", "static"])
+def test_float32_model_gives_float32_log_probs(cache, small_model):
     model = small_model(dtype=torch.float32)
     src, mask = padded_batch()
-    out, log_probs = greedy_decode(model, src, mask, 6, START, END, return_log_probs=True)
+    out, log_probs = greedy_decode(model, src, mask, 6, START, END, return_log_probs=True, **CACHES[cache])
     assert out.dtype == torch.long and log_probs.dtype == torch.float32
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cache", CACHES)  # compiled: CUDA graphs (mode "reduce-overhead")
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_cache_equals_no_cache_on_cuda(norm_first, small_model):
+def test_cache_equals_no_cache_on_cuda(norm_first, cache, small_model):
     model = small_model(0, norm_first).cuda()
     src, mask = padded_batch("cuda")
-    cached, cached_lp = greedy_decode(model, src, mask, 20, START, END, return_log_probs=True)
+    cached, cached_lp = greedy_decode(model, src, mask, 20, START, END, return_log_probs=True, **CACHES[cache])
     full, full_lp = greedy_decode(model, src, mask, 20, START, END, use_cache=False, return_log_probs=True)
     assert cached.is_cuda and torch.equal(cached, full)
     torch.testing.assert_close(cached_lp, full_lp, rtol=0, atol=1e-10)

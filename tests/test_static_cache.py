@@ -1,0 +1,257 @@
+"""The static key/value cache and the compiled decoding step (book/attention.md, book/decoder.md,
+book/decoding.md): fixed shapes and addresses, exact equality with the growing cache, one graph without a break,
+and no recompilation as the position advances. The decoding paths are also compared in tests/test_decoding.py
+and tests/test_beam_search.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import annotated_transformer.decoding as decoding
+from annotated_transformer.attention import KVCache, MultiHeadedAttention, StaticKVCache
+from annotated_transformer.beam_search import beam_search
+from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
+from annotated_transformer.decoding import decode_step, greedy_decode
+from annotated_transformer.masks import padding_mask
+from annotated_transformer.positional import LearnedPositionalEmbedding, PositionalEncoding
+
+PAD, START, END = 0, 1, 2
+
+
+def padded_batch():
+    torch.manual_seed(7)
+    src = torch.randint(3, 10, (3, 6))
+    src[1, 3:] = PAD
+    return src, padding_mask(src, PAD)
+
+
+# ---------------------------------------------------------------- the position as a tensor
+
+@pytest.mark.parametrize("module", [PositionalEncoding(16, 0.0, max_len=40),
+                                    LearnedPositionalEmbedding(16, 0.0, max_len=40)])
+def test_a_position_tensor_gives_the_rows_of_the_int_offset(module):
+    x = torch.randn(2, 3, 16)
+    for offset in (0, 5, 37):
+        assert torch.equal(module(x, torch.tensor(offset)), module(x, offset))
+    with pytest.raises(ValueError, match="offset"):
+        module(x, torch.tensor([1, 2]))            # not a single position
+    with pytest.raises(ValueError, match="offset"):
+        module(x, torch.tensor(1.0))               # not an integer
+
+
+# ---------------------------------------------------------------- StaticKVCache
+
+def test_static_kv_cache_writes_in_place_at_the_position():
+    position = torch.tensor(0)
+    cache = StaticKVCache(2, 3, 6, 4, position, dtype=torch.float64)
+    key_address, value_address = cache.key.data_ptr(), cache.value.data_ptr()
+    assert not cache.static and len(cache) == 6 and (cache.key == 0).all()
+    k1, v1 = torch.randn(2, 3, 2, 4, dtype=torch.float64), torch.randn(2, 3, 2, 4, dtype=torch.float64)
+    key, value = cache.update(k1, v1)                 # positions 0 and 1
+    assert key is cache.key and value is cache.value and key.shape == (2, 3, 6, 4)
+    position += 2
+    k2, v2 = torch.randn(2, 3, 1, 4, dtype=torch.float64), torch.randn(2, 3, 1, 4, dtype=torch.float64)
+    cache.update(k2, v2)                              # position 2
+    assert torch.equal(cache.key[:, :, :3], torch.cat([k1, k2], dim=2))
+    assert torch.equal(cache.value[:, :, :3], torch.cat([v1, v2], dim=2))
+    assert (cache.key[:, :, 3:] == 0).all()
+    index = torch.tensor([1, 0])
+    first_slots, rest = cache.key[index, :, :2].clone(), cache.key[:, :, 2:].clone()
+    cache.reorder(index, 2)                            # only the 2 slots named are reordered
+    assert torch.equal(cache.key[:, :, :2], first_slots) and torch.equal(cache.key[:, :, 2:], rest)
+    index = torch.tensor([1, 1])
+    expected = cache.key[index].clone()
+    cache.reorder(index)                              # all slots
+    assert torch.equal(cache.key, expected)
+    assert (cache.key.data_ptr(), cache.value.data_ptr()) == (key_address, value_address)
+
+
+def test_static_self_attention_step_by_step_equals_the_growing_cache():
+    torch.manual_seed(0)
+    mha = MultiHeadedAttention(4, 16, dropout=0.0).double().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    position = torch.tensor(0)
+    fixed, growing = StaticKVCache(2, 4, 8, 4, position, torch.float64), KVCache()
+    with torch.no_grad():
+        for t in range(5):
+            step = x[:, t:t + 1]
+            visible = (torch.arange(8) <= position).view(1, 1, 8)
+            torch.testing.assert_close(mha(step, step, step, visible, cache=fixed),
+                                       mha(step, step, step, cache=growing), rtol=0, atol=1e-12)
+            position += 1
+
+
+# ---------------------------------------------------------------- StaticDecoderCache
+
+def test_cross_attention_is_projected_once_per_sentence_and_shared_by_its_rows(small_model):
+    model = small_model()
+    src, mask = padded_batch()
+    calls = []
+    hooks = [layer.src_attn.w_k.register_forward_hook(lambda m, args, out: calls.append(args[0].size(0)))
+             for layer in model.decoder.layers]
+    with torch.no_grad():
+        memory = model.encode(src, mask)
+        cache = StaticDecoderCache(model.decoder, memory, 9, rows_per_sentence=4)
+    for hook in hooks:
+        hook.remove()
+    assert calls == [3] * len(model.decoder.layers)   # 3 sentences, not 12 rows
+    for layer, (own, cross) in zip(model.decoder.layers, cache.layers):
+        attention = layer.src_attn
+        assert own.key.shape == (12, attention.h, 9, attention.d_k) and own.position is cache.position
+        once = attention.split_heads(attention.w_k(memory)).detach()
+        assert cross.static and torch.equal(cross.key, once.repeat_interleave(4, dim=0))
+
+
+def test_mask_lets_each_new_position_see_the_slots_up_to_itself(small_model):
+    model = small_model()
+    src, mask = padded_batch()
+    cache = StaticDecoderCache(model.decoder, model.encode(src, mask), 6)
+    cache.position += 2
+    expected = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    assert torch.equal(cache.mask(2), expected.unsqueeze(0))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decode_step_equals_the_growing_cache_and_keeps_shapes(norm_first, small_model):
+    model = small_model(norm_first=norm_first)
+    src, mask = padded_batch()
+    tokens = torch.randint(3, 10, (3, 7))
+    with torch.no_grad():
+        memory = model.encode(src, mask)
+        fixed, growing = StaticDecoderCache(model.decoder, memory, 7), DecoderCache(len(model.decoder.layers))
+        addresses = [own.key.data_ptr() for own, _ in fixed.layers]
+        for t in range(7):
+            step = tokens[:, t:t + 1]
+            expected = model.generator(model.decode(memory, mask, step, None, cache=growing)[:, -1])
+            torch.testing.assert_close(decode_step(model, memory, mask, fixed, step), expected, rtol=0, atol=1e-12)
+            assert fixed.position.item() == t + 1
+    assert [own.key.data_ptr() for own, _ in fixed.layers] == addresses
+
+
+def test_bad_static_cache_arguments_are_refused(small_model):
+    model = small_model()
+    memory = torch.zeros(2, 3, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="max_len"):
+        StaticDecoderCache(model.decoder, memory, 0)
+    with pytest.raises(TypeError, match="rows_per_sentence"):
+        StaticDecoderCache(model.decoder, memory, 4, rows_per_sentence=2.0)
+
+
+def test_a_max_len_beyond_the_positional_table_is_refused_before_decoding(small_model):
+    model = small_model()
+    src, mask = padded_batch()
+    table = model.tgt_embed.position.max_len
+    with pytest.raises(ValueError, match=f"max_len is {table + 1}.*{table} positions"):
+        greedy_decode(model, src, mask, table + 1, START, END, static=True)
+    with pytest.raises(ValueError, match=f"max_len is {table + 1}"):
+        beam_search(model, src, mask, table + 1, START, END, beam_size=2, static=True)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(compile=True), ValueError, "static=True"),
+    (dict(static=True, use_cache=False), ValueError, "use_cache=True"),
+    (dict(static="yes"), TypeError, "static must be True or False"),
+    (dict(compile=1, static=True), TypeError, "compile must be True or False"),
+])
+def test_inconsistent_cache_flags_are_refused(kwargs, error, match, small_model):
+    model = small_model()
+    src, mask = padded_batch()
+    with pytest.raises(error, match=match):
+        greedy_decode(model, src, mask, 5, START, END, **kwargs)
+    if "use_cache" not in kwargs:
+        with pytest.raises(error, match=match):
+            beam_search(model, src, mask, 5, START, END, **kwargs)
+
+
+def test_the_static_loop_cuts_the_steps_taken_after_every_sentence_ended(small_model, monkeypatch):
+    """With a check every 5 steps (what a GPU does), the output is still cut where the last sentence ended."""
+    model = small_model(seed=2)
+    with torch.no_grad():
+        model.generator.proj.bias[END] += 1.5
+    src, mask = padded_batch()
+    expected, expected_lp = greedy_decode(model, src, mask, 30, START, END, return_log_probs=True)
+    assert expected.size(1) < 30 and expected.size(1) % 5 != 1      # it ended between two checks
+    monkeypatch.setitem(decoding.STOP_CHECK_EVERY, "cpu", 5)
+    tokens, log_probs = greedy_decode(model, src, mask, 30, START, END, return_log_probs=True, static=True)
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(log_probs, expected_lp, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- compiling the step
+
+@pytest.fixture
+def counted_compile(monkeypatch):
+    """Make compile=True use decode_step compiled with a backend that counts the graphs it is given."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(decode_step, backend=backend, fullgraph=True)
+    monkeypatch.setitem(decoding.COMPILED_STEPS, "cpu", compiled)
+    yield graphs
+    torch._dynamo.reset()
+
+
+def test_decode_step_is_one_graph_without_a_break(small_model):
+    model = small_model()
+    src, mask = padded_batch()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        memory = model.encode(src, mask)
+        cache = StaticDecoderCache(model.decoder, memory, 10)
+        explained = torch._dynamo.explain(decode_step)(model, memory, mask, cache, torch.ones(3, 1, dtype=torch.long))
+    torch._dynamo.reset()
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_the_compiled_step_is_not_recompiled_as_the_position_advances(small_model, counted_compile):
+    model = small_model()
+    with torch.no_grad():
+        model.generator.proj.bias[END] -= 100.0       # never ends: every one of the 11 steps is taken
+    src, mask = padded_batch()
+    expected = greedy_decode(model, src, mask, 12, START, END)
+    tokens = greedy_decode(model, src, mask, 12, START, END, static=True, compile=True)
+    assert torch.equal(tokens, expected) and tokens.size(1) == 12
+    assert len(counted_compile) == 1                  # one graph for 11 positions
+    greedy_decode(model, src.flip(0), mask.flip(0), 12, START, END, static=True, compile=True)
+    assert len(counted_compile) == 1                  # and for another decode of the same shapes
+
+
+def test_the_compiled_beam_step_is_one_graph_for_every_step(small_model, counted_compile):
+    model = small_model()
+    src, mask = padded_batch()
+    expected = beam_search(model, src, mask, 9, START, END, beam_size=3, n_best=2)
+    found = beam_search(model, src, mask, 9, START, END, beam_size=3, n_best=2, static=True, compile=True)
+    for hyps, expected_hyps in zip(found, expected):
+        for hyp, other in zip(hyps, expected_hyps):
+            assert torch.equal(hyp.tokens, other.tokens)
+            assert hyp.score == pytest.approx(other.score, abs=1e-12)
+    assert len(counted_compile) == 1
+
+
+# ---------------------------------------------------------------- the decoding benchmark's methods
+
+def test_every_benchmark_method_decodes_the_same_and_a_bad_method_is_refused():
+    from annotated_transformer.performance import DECODING_METHODS, decode_with, decoding_throughput
+    from annotated_transformer.model import make_model
+
+    torch.manual_seed(0)
+    model = make_model(30, 30, N=1, d_model=16, d_ff=32, h=2, dropout=0.0).eval()
+    with torch.no_grad():
+        model.generator.proj.bias[END] = -1e4
+    src = torch.randint(3, 30, (2, 5))
+    decoded = {method: decode_with(method, model, src, padding_mask(src, PAD), 6, START, END)
+               for method in DECODING_METHODS}
+    greedy = [out for method, out in decoded.items() if method.startswith("greedy")]
+    beams = [[hyps[0].tokens.tolist() for hyps in out] for method, out in decoded.items()
+             if method.startswith("beam")]
+    assert (len(greedy), len(beams)) == (4, 3)  # greedy also without a cache
+    assert all(torch.equal(out, greedy[0]) for out in greedy) and greedy[0].shape == (2, 6)
+    assert all(found == beams[0] for found in beams)
+    with pytest.raises(ValueError, match="method must be one of"):
+        decode_with("greedy, cached", model, src, None, 6, START, END)
+    with pytest.raises(ValueError, match="must start with 'greedy, no cache'"):
+        decoding_throughput(dict(N=1, d_model=16, d_ff=32, h=2, vocab=30), methods=("greedy, cache",))
