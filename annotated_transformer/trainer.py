@@ -239,8 +239,8 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
-    for name in ("checkpoint_every", "eval_every"):
-        every = checkpoint_every if name == "checkpoint_every" else eval_every
+    periods = dict(checkpoint_every=checkpoint_every, eval_every=eval_every)
+    for name, every in periods.items():
         if not isinstance(every, int) or every < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {every!r}")
     if resume and checkpoint_dir is None and not isinstance(resume, (str, os.PathLike)):
