@@ -61,9 +61,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, memory, src_mask, tgt_mask, cache=None):
         """x: (B, T, d_model) target states; memory: (B, S, d_model); src_mask: (B, 1, S);
-        tgt_mask: (B, T, T) or, with a cache, (B, T, len(cache) + T), or None. True = may attend.
-        ``cache`` is this layer's ``(self_cache, cross_cache)`` pair or None. Returns (B, T, d_model)."""
+        tgt_mask: (B, T, T) or, with a cache, (B, T, len(cache) + T). True = may attend.
+        ``cache`` is this layer's ``(self_cache, cross_cache)`` pair or None.
+        Returns (B, T, d_model). With a cache, ``tgt_mask`` may be None for one new
+        position (nothing lies in its future); several new positions without a mask
+        would see each other: refused."""
         self_cache, cross_cache = cache if cache is not None else (None, None)
+        if self_cache is not None and tgt_mask is None and x.size(1) > 1:
+            raise ValueError(f"{x.size(1)} new positions with a cache need a tgt_mask "
+                             "(without one, each would attend to the ones after it)")
         x = self.sublayer[0](x, lambda x: self.self_attn(x, x, x, tgt_mask, cache=self_cache))
         x = self.sublayer[1](x, lambda x: self.src_attn(x, memory, memory, src_mask, cache=cross_cache))
         return self.sublayer[2](x, self.feed_forward)

@@ -57,7 +57,8 @@ class EncoderDecoder(nn.Module):
 
     def decode(self, memory, src_mask, tgt, tgt_mask, cache: DecoderCache | None = None) -> torch.Tensor:
         """tgt: (B, T) token ids; tgt_mask: (B, T, T), True = may attend. With a cache, tgt holds only the new
-        tokens, at positions len(cache) onwards, and tgt_mask may be None. Returns states (B, T, d_model)."""
+        tokens, at positions len(cache) onwards, and tgt_mask may be None for one new
+        token (DecoderLayer refuses several without a mask). Returns (B, T, d_model)."""
         offset = 0 if cache is None else len(cache)
         return self.decoder(self.tgt_embed(tgt, offset), memory, src_mask, tgt_mask, cache)
 

@@ -232,6 +232,18 @@ def test_stepwise_decoding_with_a_cache_equals_full_decoding(norm_first):
     assert cross_cache.static and cross_cache.key.shape == (2, H, SRC.size(1), D // H)
 
 
+def test_several_new_positions_with_a_cache_and_no_mask_are_refused():
+    """Without a mask, two new positions would attend to each other (the first to its future): refused."""
+    decoder = make_decoder(False)
+    memory, y = inputs()
+    src_mask = padding_mask(SRC, PAD)
+    with torch.no_grad():
+        cache = DecoderCache(len(decoder.layers))
+        decoder(y[:, :1], memory, src_mask, None, cache)            # one new position: nothing to hide
+        with pytest.raises(ValueError, match="2 new positions with a cache need a tgt_mask"):
+            decoder(y[:, 1:3], memory, src_mask, None, cache)
+
+
 def test_cache_reorder_selects_batch_rows():
     decoder = make_decoder(False)
     memory, y = inputs()
