@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
@@ -103,12 +105,14 @@ def decode_step(model, memory, src_mask, cache, tokens):
 
 COMPILED_STEPS = {}  # one compiled decode_step per kind of device, made on first use
 MAX_STEP_GRAPHS = 64  # graphs of the compiled step (models, shapes) dynamo may keep
+FROZEN = weakref.WeakKeyDictionary()  # model -> its weights' versions when frozen in
 
 
 def compiled_decode_step(device):
     """``decode_step`` compiled as one graph (``fullgraph=True``): with CUDA graphs
-    ("reduce-overhead") on a GPU, in the default mode elsewhere. Compiled code is reused
-    by every later call with the same shapes.
+    ("reduce-overhead") on a GPU; elsewhere with the weights frozen in as constants
+    (inductor's ``freezing``), so that it may repack them for its matrix products.
+    Compiled code is reused by every later call with the same shapes.
 
     Each model, and a batch of one beside larger ones, gets graphs of its own; the first
     call raises dynamo's limit on graphs per function to at least ``MAX_STEP_GRAPHS``.
@@ -123,7 +127,8 @@ def compiled_decode_step(device):
         def step(model, memory, src_mask, cache, tokens):
             if kind == "cuda":  # the next replay may overwrite this one's outputs
                 torch.compiler.cudagraph_mark_step_begin()
-            return compiled(model, memory, src_mask, cache, tokens)
+            with torch._inductor.config.patch(freezing=kind != "cuda"):
+                return compiled(model, memory, src_mask, cache, tokens)
 
         COMPILED_STEPS[kind] = step
     return COMPILED_STEPS[kind]
@@ -142,6 +147,8 @@ def static_step(model, memory, src_mask, cache, compile=False):
         raise ValueError(f"max_len is {cache.max_len}, but the model's positional "
                          f"table has {table} positions")
     step = compiled_decode_step(memory.device) if compile else decode_step
+    if compile and memory.device.type != "cuda":
+        thaw_if_changed(model)
     if compile and memory.device.type == "cuda":
         for own, cross in cache.layers:
             for buffer in (own.key, own.value, cross.key, cross.value):
@@ -150,6 +157,24 @@ def static_step(model, memory, src_mask, cache, compile=False):
     # contiguous: a column of a wider tensor has other strides, and a compiled step
     # would be compiled again for them
     return lambda tokens: step(model, memory, src_mask, cache, tokens.contiguous())
+
+
+def weights_version(model) -> tuple[int, ...]:
+    """The version counters of the model's parameters and buffers: every in-place
+    change of one (an optimiser's step, ``load_state_dict``) advances its counter.
+    (A change made through ``.data`` does not.)"""
+    return tuple(t._version for t in (*model.parameters(), *model.buffers()))
+
+
+def thaw_if_changed(model) -> None:
+    """Where the compiled step froze ``model``'s weights in, and they have changed
+    since, its compiled code would compute with the old ones: throw all compiled code
+    away (``torch.compiler.reset``), so that the next call compiles again."""
+    version = weights_version(model)
+    if FROZEN.setdefault(model, version) != version:
+        torch.compiler.reset()
+        FROZEN.clear()
+        FROZEN[model] = version
 
 
 STOP_CHECK_EVERY = {"cuda": 8}  # steps between two checks that all have finished (or 1)

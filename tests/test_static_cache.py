@@ -232,6 +232,43 @@ def test_the_compiled_beam_step_is_one_graph_for_every_step(small_model, counted
     assert len(counted_compile) == 1
 
 
+def test_the_compiled_cpu_step_freezes_the_weights_and_compiles_again_when_they_change(small_model):
+    """On a CPU the compiled step bakes the weights in (inductor's freezing): after an in-place change of the
+    weights, and after load_state_dict, it must decode with the new weights, not the frozen copy."""
+    model = small_model(30, dtype=torch.float32)
+    src, mask = padded_batch()
+    torch._dynamo.reset()
+
+    def decoded(**kwargs):
+        return greedy_decode(model, src, mask, 8, START, END, **kwargs)
+
+    first = decoded()
+    assert torch.equal(decoded(static=True, compile=True), first)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter), alpha=0.5)
+    assert not torch.equal(decoded(), first)                 # new weights, other tokens
+    assert torch.equal(decoded(static=True, compile=True), decoded())
+    model.load_state_dict(before)
+    assert torch.equal(decoded(static=True, compile=True), first)
+    torch._dynamo.reset()
+
+
+def test_an_optimiser_step_and_load_state_dict_advance_the_weights_version(small_model):
+    from annotated_transformer.decoding import weights_version
+
+    model = small_model(30)
+    start = weights_version(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.generator.proj.weight.sum().backward()
+    optimizer.step()
+    stepped = weights_version(model)
+    model.load_state_dict(model.state_dict())
+    assert stepped != start and weights_version(model) != stepped
+
+
 # ---------------------------------------------------------------- the decoding benchmark's methods
 
 def test_every_benchmark_method_decodes_the_same_and_a_bad_method_is_refused():
