@@ -15,6 +15,7 @@ from pathlib import Path
 
 import sacrebleu
 import torch
+from sacrebleu.significance import PairedTest
 
 from annotated_transformer.checkpoints import write_atomically
 from annotated_transformer.data import SPLITS, load_split
@@ -91,6 +92,8 @@ def make_record(config, trained: dict, test_scores: dict, test, *, device, start
         train_seconds=round(trained["train_seconds"], 1), total_seconds=round(time.perf_counter() - started, 1),
         history=thin(trained["history"]), valid=trained["valid"], valid_loss_last=trained["last_valid_loss"],
         valid_loss_averaged=trained["averaged_valid_loss"], averaged=trained["averaged"], test=dict(test_scores),
+        protocol={name: PROTOCOL[name] for name in ("greedy", "beam")},
+        translations={"greedy": greedy["hypotheses"], "beam": beam["hypotheses"]},
         examples=[dict(source=s, reference=r, greedy=g, beam=b)
                   for (s, r), g, b in zip(test[:examples], greedy["hypotheses"], beam["hypotheses"])],
         attention=[cross_attention_example(model, tokenizer, test[min(i, len(test) - 1)][0],
@@ -102,39 +105,97 @@ def make_record(config, trained: dict, test_scores: dict, test, *, device, start
 
 
 SWEEP = [(1, 0.6), (2, 0.6), (4, 0.6), (8, 0.6), (4, 0.0), (4, 1.0), (8, 1.0)]
+PROTOCOL = {
+    "greedy": "greedy search; nothing to choose",
+    "beam": "the paper's setting (its beam size and alpha), fixed before any run",
+    "beam_tuned": "the setting of SWEEP with the highest BLEU on the validation set "
+                  "(the first on a tie), then scored once on the test set",
+}
 
 
 def decoding_sweep(model, tokenizer, pairs, settings=SWEEP, log=print) -> list[dict]:
-    """BLEU, length ratio and time of each (beam size, length penalty) in ``settings`` on ``pairs``."""
+    """BLEU, length ratio, time and outputs (``hypotheses``, which a results file leaves
+    out) of each (beam size, length penalty) in ``settings`` on ``pairs``."""
     rows = []
     for beam_size, alpha in settings:
-        scores = evaluate_bleu(model, tokenizer, pairs, beam_size=beam_size, length_penalty=alpha)
-        rows.append(dict(beam_size=beam_size, length_penalty=alpha, bleu=scores["bleu"],
-                         length_ratio=round(scores["hyp_len"] / scores["ref_len"], 4), seconds=scores["seconds"]))
-        log(f"  beam {beam_size}, alpha {alpha}: BLEU {scores['bleu']:.2f}, length ratio {rows[-1]['length_ratio']:.3f}")
+        scores = evaluate_bleu(model, tokenizer, pairs, beam_size=beam_size,
+                               length_penalty=alpha)
+        ratio = round(scores["hyp_len"] / scores["ref_len"], 4)
+        rows.append(dict(beam_size=beam_size, length_penalty=alpha,
+                         bleu=scores["bleu"], length_ratio=ratio,
+                         seconds=scores["seconds"], hypotheses=scores["hypotheses"]))
+        log(f"  beam {beam_size}, alpha {alpha}: BLEU {scores['bleu']:.2f}, "
+            f"length ratio {ratio:.3f}")
     return rows
 
 
 def add_tuned_decoding(record: dict, trained: dict, test, *, log=print) -> None:
-    """Choose the setting of ``SWEEP`` on the validation set, score it on ``test``, and keep both in ``record``."""
+    """Choose the setting of ``SWEEP`` on the validation set by ``PROTOCOL``'s rule,
+    score it once on ``test``, and keep both, and its translations, in ``record``."""
     model, tokenizer = trained["model"], trained["tokenizer"]
     log("decoding settings on the validation set:")
-    rows = decoding_sweep(model, tokenizer, load_split("valid"), log=log)
-    best = max(rows, key=lambda row: row["bleu"])            # chosen on the validation set, never on test
+    valid = load_split("valid")
+    rows = decoding_sweep(model, tokenizer, valid, log=log)
+    best = max(rows, key=lambda row: row["bleu"])  # the first of the best: never test
     chosen = dict(beam_size=best["beam_size"], length_penalty=best["length_penalty"])
+    named = {(row["beam_size"], row["length_penalty"]): row for row in rows}
+    against = bleu_bootstrap(  # each setting against the chosen one, same resamples
+        valid, {key: row["hypotheses"] for key, row in named.items()},
+        baseline=(best["beam_size"], best["length_penalty"]))
+    for key, row in named.items():
+        row.update(ci95=against[key]["ci95"], p_value=against[key]["p_value"])
     tuned = evaluate_bleu(model, tokenizer, test, **chosen)
-    log(f"test2016 BLEU (beam {chosen['beam_size']}, alpha {chosen['length_penalty']}, chosen on the validation "
-        f"set): {tuned['bleu']:.2f}  {tuned['signature']}")
+    log(f"test2016 BLEU (beam {chosen['beam_size']}, alpha {chosen['length_penalty']}, "
+        f"chosen on the validation set): {tuned['bleu']:.2f}  {tuned['signature']}")
     record["sweep"] = {"split": SPLITS["valid"], "rows": rows, "chosen": chosen}
     record["test"]["beam_tuned"] = tuned
-    record["test_beam_translations"] = record["test"]["beam"]["hypotheses"]
+    record["translations"]["beam_tuned"] = tuned["hypotheses"]
+
+
+def bleu_bootstrap(pairs, translations: dict, baseline: str,
+                   samples: int = 1000) -> dict:
+    """sacreBLEU's paired bootstrap over ``pairs`` (source, reference): for each system
+    of ``translations`` (name -> its outputs, in the order of ``pairs``), its BLEU, the
+    mean and the half-width of the 95% interval over ``samples`` resamples, and the
+    p-value of its difference from ``baseline`` (None for the baseline itself). The
+    resamples are the same for every system, and seeded (sacreBLEU's seed)."""
+    names = [baseline, *(name for name in translations if name != baseline)]
+    if any(len(translations[name]) != len(pairs) for name in names):
+        raise ValueError(f"every system needs one output per pair ({len(pairs)})")
+    test = PairedTest([(name, translations[name]) for name in names],
+                      {"BLEU": sacrebleu.BLEU()}, [[ref for _, ref in pairs]],
+                      test_type="bs", n_samples=samples)
+    _, results = test()
+    return {name: dict(bleu=round(result.score, 2), mean=round(float(result.mean), 2),
+                       ci95=round(float(result.ci), 2),
+                       p_value=None if result.p_value is None
+                       else round(float(result.p_value), 4))
+            for name, result in zip(results["System"], results["BLEU"])}
+
+
+def recorded_folder(path) -> Path | None:
+    """The run folder (``--checkpoint-dir``) named by the command of the record at
+    ``path``, resolved; None if the file is not such a record."""
+    try:
+        command = json.loads(Path(path).read_text(encoding="utf-8"))["command"]
+        arguments = shlex.split(command)
+        return Path(arguments[arguments.index("--checkpoint-dir") + 1]).resolve()
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
 
 
 def check_results_path(path, checkpoint_dir=None) -> Path:
     """Refuse, before a run, a results path that is a folder, lies where nothing can be
-    written, or is or lies in the run's folder ``checkpoint_dir``."""
+    written, is or lies in the run's folder ``checkpoint_dir``, or is a file that is not
+    this run's own record (another run's record is never replaced)."""
     path = Path(path)
     run = None if checkpoint_dir is None else Path(checkpoint_dir).resolve()
+    if path.is_file() and (run is None or recorded_folder(path) != run):
+        owner = recorded_folder(path)
+        what = (f"the record of another run (its folder: {owner})" if owner
+                else "a file that is not a record of this run")
+        raise ValueError(f"the results file {path} exists and is {what}: name a new "
+                         "file, or delete this one first")
     if run is not None and (path.resolve() == run or run in path.resolve().parents):
         raise ValueError(f"the results file {path} would lie in the run folder "
                          f"{checkpoint_dir}, which holds that run's files only: write "
@@ -150,7 +211,9 @@ def check_results_path(path, checkpoint_dir=None) -> Path:
 def record_experiment(config, checkpoint_dir, *, results_path=None, device=None, command: str | None = None,
                       log=print, **options) -> tuple[dict, dict]:
     """``run_experiment(config, checkpoint_dir, **options)``, its record (with the sweep if ``config.sweep``),
-    written to ``results_path`` if given; returns (record, trained). The file leaves out the hypotheses."""
+    written to ``results_path`` if given, with the paired bootstrap of the test scores;
+    returns (record, trained). The file keeps the test translations once
+    (``translations``)."""
     if results_path is not None:
         check_results_path(results_path, checkpoint_dir)
     started, device = time.perf_counter(), get_device(device)
@@ -159,7 +222,11 @@ def record_experiment(config, checkpoint_dir, *, results_path=None, device=None,
     record = make_record(config, trained, test_scores, test, device=device, started=started, command=command)
     if config.sweep:
         add_tuned_decoding(record, trained, test, log=log)
-        record["total_seconds"] = round(time.perf_counter() - started, 1)
+        record["protocol"]["beam_tuned"] = PROTOCOL["beam_tuned"]
+    record["bootstrap"] = bleu_bootstrap(test, record["translations"], baseline="beam")
+    for name, row in record["bootstrap"].items():
+        log(f"  {name}: BLEU {row['bleu']:.2f} +- {row['ci95']:.2f} (95% interval)")
+    record["total_seconds"] = round(time.perf_counter() - started, 1)
     if results_path is not None:
         log(f"results: {write_results(results_path, record)}")
     return record, trained

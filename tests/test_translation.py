@@ -24,7 +24,7 @@ from annotated_transformer.cli import build_parser, translation_config_from_args
 from annotated_transformer.data import BOS_ID, EOS_ID
 from annotated_transformer.download import DATA_ENV
 from annotated_transformer.model import make_model
-from annotated_transformer.records import record_experiment, thin
+from annotated_transformer.records import bleu_bootstrap, record_experiment, thin
 from annotated_transformer.translation import (
     PROFILES, SentencePieces, TranslationConfig, bleu, checkpoint_tokenizer, load_translator, train_translator,
     translation_config,
@@ -134,7 +134,11 @@ def test_end_to_end_results(run):
     assert written["averaging"]["loss"][-1] == pytest.approx(written["valid_loss_averaged"])
     assert isinstance(written["valid_loss_shuffled_sources"], float)
     assert [a["sentence"] for a in written["attention"]] == [results["examples"][i]["source"] for i in (3, 7)]
-    assert "sweep" not in written and "test_beam_translations" not in written   # the quick profile does not sweep
+    assert "sweep" not in written and "beam_tuned" not in written["test"]   # the quick profile does not sweep
+    assert set(written["translations"]) == set(written["protocol"]) == set(written["bootstrap"]) == {"greedy", "beam"}
+    assert written["translations"]["beam"][:10] == [example["beam"] for example in written["examples"]]
+    assert written["bootstrap"]["beam"]["p_value"] is None and 0 <= written["bootstrap"]["greedy"]["p_value"] <= 1
+    assert written["bootstrap"]["beam"]["bleu"] == pytest.approx(written["test"]["beam"]["bleu"], abs=0.01)
 
 
 def test_averaged_checkpoint_is_the_mean_of_the_last_ones(run):
@@ -253,6 +257,18 @@ def test_bleu():
     assert lower.score == pytest.approx(100.0) and "case:lc" in lower_signature
     with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
         bleu(references, references[:1])
+
+
+def test_paired_bootstrap_of_bleu():
+    pairs = [(f"s{i}", f"A dog number {i} runs across the green park .") for i in range(60)]
+    good = [reference for _, reference in pairs]
+    worse = [reference if i % 3 else "A cat sleeps ." for i, (_, reference) in enumerate(pairs)]
+    found = bleu_bootstrap(pairs, {"worse": worse, "good": good, "same": list(good)}, baseline="good", samples=200)
+    assert list(found) == ["good", "worse", "same"] and found["good"]["p_value"] is None
+    assert found["good"]["bleu"] == found["same"]["bleu"] == pytest.approx(100.0)
+    assert found["worse"]["bleu"] < 80 and found["worse"]["p_value"] < 0.05 and found["worse"]["ci95"] > 0
+    with pytest.raises(ValueError, match="one output per pair"):
+        bleu_bootstrap(pairs, {"good": good, "short": good[:-1]}, baseline="good")
 
 
 def test_strip_special_and_thin():
@@ -399,6 +415,23 @@ def test_a_results_path_that_cannot_be_written_is_refused_before_training(enviro
     with pytest.raises(ValueError, match="is a folder"):
         record_experiment(config, tmp_path / "run", results_path=tmp_path, device="cpu", log=lambda message: None)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_results_file_of_another_run_is_never_replaced(tmp_path, monkeypatch):
+    from annotated_transformer.records import check_results_path
+
+    monkeypatch.chdir(tmp_path)
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"command": "python -m annotated_transformer train --task multi30k "
+                                             "--checkpoint-dir 'runs/my run' --results record.json"}))
+    assert check_results_path(record, "runs/my run") == record               # its own run, evaluated again
+    for folder in ("runs/other", None):
+        with pytest.raises(ValueError, match=r"exists and is the record of another run \(its folder: .*my run\)"):
+            check_results_path(record, folder)
+    (tmp_path / "notes.txt").write_text("my notes")
+    with pytest.raises(ValueError, match="exists and is a file that is not a record of this run"):
+        check_results_path(tmp_path / "notes.txt", "runs/my run")
+    assert (tmp_path / "notes.txt").read_text() == "my notes"
 
 
 # valid.json: written atomically, and a damaged one is reported by name ---------------------------------------------
