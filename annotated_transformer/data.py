@@ -346,3 +346,20 @@ class SentencePieces:
 
     def max_len(self, source_length: int) -> int:  # the longest output, <s> included
         return int(MAX_LEN_A * source_length) + MAX_LEN_B
+
+
+def keep_tokenizer(folder: Path, tokenizer: SentencePieces, checkpoint, *, log=print):
+    """Write ``tokenizer.model`` beside the checkpoints (atomically); a resumed run must
+    have the tokenizer its checkpoints name, and a damaged copy is written again."""
+    path, digest = folder / TOKENIZER_FILE, tokenizer_digest(tokenizer.processor)
+    recorded = checkpoint and checkpoint["extra"].get("tokenizer_sha256")
+    if recorded and recorded != digest:
+        raise ValueError(f"the checkpoints in {folder} were trained with another "
+                         "tokenizer than these settings make: resume with the same "
+                         "settings and data")
+    if checkpoint and path.is_file() and tokenizer_digest(path) != digest:
+        if not recorded:  # written before checkpoints named their tokenizer
+            raise ValueError(f"{path} is not the tokenizer of these settings: resume "
+                             "with the same settings, or delete it if it is damaged")
+        log(f"{path} was damaged: it is written again")
+    write_tokenizer(path, tokenizer.processor)

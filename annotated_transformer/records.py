@@ -15,13 +15,12 @@ from pathlib import Path
 
 import sacrebleu
 import torch
-from sacrebleu.significance import PairedTest
 
 from annotated_transformer.checkpoints import write_atomically
 from annotated_transformer.data import SPLITS, load_split
 from annotated_transformer.runtime import describe_device, get_device
 from annotated_transformer.translation import (
-    TASK, cross_attention_example, evaluate_bleu, train_translator,
+    TASK, bleu_bootstrap, cross_attention_example, evaluate_bleu, train_translator,
 )
 
 
@@ -150,27 +149,6 @@ def add_tuned_decoding(record: dict, trained: dict, test, *, log=print) -> None:
     record["sweep"] = {"split": SPLITS["valid"], "rows": rows, "chosen": chosen}
     record["test"]["beam_tuned"] = tuned
     record["translations"]["beam_tuned"] = tuned["hypotheses"]
-
-
-def bleu_bootstrap(pairs, translations: dict, baseline: str,
-                   samples: int = 1000) -> dict:
-    """sacreBLEU's paired bootstrap over ``pairs`` (source, reference): for each system
-    of ``translations`` (name -> its outputs, in the order of ``pairs``), its BLEU, the
-    mean and the half-width of the 95% interval over ``samples`` resamples, and the
-    p-value of its difference from ``baseline`` (None for the baseline itself). The
-    resamples are the same for every system, and seeded (sacreBLEU's seed)."""
-    names = [baseline, *(name for name in translations if name != baseline)]
-    if any(len(translations[name]) != len(pairs) for name in names):
-        raise ValueError(f"every system needs one output per pair ({len(pairs)})")
-    test = PairedTest([(name, translations[name]) for name in names],
-                      {"BLEU": sacrebleu.BLEU()}, [[ref for _, ref in pairs]],
-                      test_type="bs", n_samples=samples)
-    _, results = test()
-    return {name: dict(bleu=round(result.score, 2), mean=round(float(result.mean), 2),
-                       ci95=round(float(result.ci), 2),
-                       p_value=None if result.p_value is None
-                       else round(float(result.p_value), 4))
-            for name, result in zip(results["System"], results["BLEU"])}
 
 
 def recorded_folder(path) -> Path | None:

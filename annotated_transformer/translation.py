@@ -12,6 +12,7 @@ from pathlib import Path
 
 import sacrebleu
 import torch
+from sacrebleu.significance import PairedTest
 from torch import nn
 from tqdm import tqdm
 
@@ -23,8 +24,8 @@ from annotated_transformer.checkpoints import (
 )
 from annotated_transformer.data import (
     BOS_ID, EOS_ID, PAD_ID, TASK, TOKENIZER_FILE, EpochBatches, SentencePieces,
-    checkpoint_tokenizer, collate, encode_pairs, load_split, load_tokenizer,
-    tokenizer_digest, tokenizer_to_tensor, train_tokenizer, write_tokenizer,
+    checkpoint_tokenizer, collate, encode_pairs, keep_tokenizer, load_split,
+    load_tokenizer, tokenizer_digest, tokenizer_to_tensor, train_tokenizer,
 )
 from annotated_transformer.masks import padding_mask, target_mask
 from annotated_transformer.model import EMBEDDING_INITS, make_model
@@ -100,11 +101,12 @@ def check_settings(config: TranslationConfig) -> None:
 
 
 LAPTOP = TranslationConfig(
-    vocab_size=8000, train_limit=None, max_len=100, N=3, d_model=256, d_ff=1024, h=4, dropout=0.2,
-    attention_dropout=0.0, activation_dropout=0.0, norm_first=True, embedding_init="normal", smoothing=0.1,
-    max_tokens=2048, accumulation_steps=1, steps=2300, warmup=400, factor=0.5, clip_norm=None, checkpoint_every=100,
-    average=5, eval_every=300, valid_limit=None, test_limit=None, beam_size=4, length_penalty=0.6, sweep=True, seed=0,
-    profile="laptop",
+    vocab_size=8000, train_limit=None, max_len=100, N=3, d_model=256, d_ff=1024, h=4,
+    dropout=0.2, attention_dropout=0.0, activation_dropout=0.0, norm_first=True,
+    embedding_init="normal", smoothing=0.1, max_tokens=2048, accumulation_steps=1,
+    steps=3200, warmup=400, factor=0.5, clip_norm=None, checkpoint_every=100, average=5,
+    eval_every=300, valid_limit=None, test_limit=None, beam_size=4, length_penalty=0.6,
+    sweep=True, seed=0, profile="laptop",
 )
 PROFILES = {
     # the same recipe, tiny: one layer of width 64, 1,000 pieces, 350 steps, no dropout, no sweep
@@ -241,23 +243,6 @@ def resumed_checkpoint(folder: Path, resume: bool, config: TranslationConfig):
     return checkpoint
 
 
-def keep_tokenizer(folder: Path, tokenizer: SentencePieces, checkpoint, *, log=print):
-    """Write ``tokenizer.model`` beside the checkpoints (atomically); a resumed run must
-    have the tokenizer its checkpoints name, and a damaged copy is written again."""
-    path, digest = folder / TOKENIZER_FILE, tokenizer_digest(tokenizer.processor)
-    recorded = checkpoint and checkpoint["extra"].get("tokenizer_sha256")
-    if recorded and recorded != digest:
-        raise ValueError(f"the checkpoints in {folder} were trained with another "
-                         "tokenizer than these settings make: resume with the same "
-                         "settings and data")
-    if checkpoint and path.is_file() and tokenizer_digest(path) != digest:
-        if not recorded:  # written before checkpoints named their tokenizer
-            raise ValueError(f"{path} is not the tokenizer of these settings: resume "
-                             "with the same settings, or delete it if it is damaged")
-        log(f"{path} was damaged: it is written again")
-    write_tokenizer(path, tokenizer.processor)
-
-
 def build_translator(config: TranslationConfig, vocab: int, device):
     """(model, optimizer, scheduler, loss_fn) of ``config``: tied embeddings, Adam, equation (3), label smoothing."""
     model = make_model(vocab, vocab, N=config.N, d_model=config.d_model, d_ff=config.d_ff, h=config.h,
@@ -371,6 +356,22 @@ def evaluate_bleu(model: nn.Module, tokenizer: SentencePieces, pairs, *, beam_si
                 signature_lowercase=lower_signature, precisions=[round(p, 1) for p in cased.precisions],
                 brevity_penalty=round(cased.bp, 3), hyp_len=cased.sys_len, ref_len=cased.ref_len,
                 seconds=round(seconds, 1), hypotheses=hypotheses)
+
+
+def bleu_bootstrap(pairs, translations: dict, baseline, samples: int = 1000) -> dict:
+    """sacreBLEU's paired bootstrap over ``pairs`` of the systems in ``translations``
+    (name -> outputs): each one's BLEU, mean and 95% half-width (``ci95``) over
+    ``samples`` seeded resamples, and the p-value against ``baseline`` (None for it)."""
+    names = [baseline, *(name for name in translations if name != baseline)]
+    if any(len(translations[name]) != len(pairs) for name in names):
+        raise ValueError(f"every system needs one output per pair ({len(pairs)})")
+    _, found = PairedTest([(name, translations[name]) for name in names],
+                          {"BLEU": sacrebleu.BLEU()}, [[ref for _, ref in pairs]],
+                          test_type="bs", n_samples=samples)()
+    return {name: dict(bleu=round(r.score, 2), mean=round(float(r.mean), 2),
+                       ci95=round(float(r.ci), 2),
+                       p_value=r.p_value and round(r.p_value, 4))
+            for name, r in zip(found["System"], found["BLEU"])}
 
 
 @torch.no_grad()
