@@ -91,7 +91,6 @@ def make_record(config, trained: dict, test_scores: dict, test, *, device, start
         train_seconds=round(trained["train_seconds"], 1), total_seconds=round(time.perf_counter() - started, 1),
         history=thin(trained["history"]), valid=trained["valid"], valid_loss_last=trained["last_valid_loss"],
         valid_loss_averaged=trained["averaged_valid_loss"], averaged=trained["averaged"], test=dict(test_scores),
-        protocol={name: PROTOCOL[name] for name in ("greedy", "beam")},
         translations={"greedy": greedy["hypotheses"], "beam": beam["hypotheses"]},
         examples=[dict(source=s, reference=r, greedy=g, beam=b)
                   for (s, r), g, b in zip(test[:examples], greedy["hypotheses"], beam["hypotheses"])],
@@ -168,8 +167,8 @@ def check_results_path(path, checkpoint_dir=None) -> Path:
     this run's own record (another run's record is never replaced)."""
     path = Path(path)
     run = None if checkpoint_dir is None else Path(checkpoint_dir).resolve()
-    if path.is_file() and (run is None or recorded_folder(path) != run):
-        owner = recorded_folder(path)
+    owner = recorded_folder(path) if path.is_file() else None
+    if path.is_file() and (run is None or owner != run):
         what = (f"the record of another run (its folder: {owner})" if owner
                 else "a file that is not a record of this run")
         raise ValueError(f"the results file {path} exists and is {what}: name a new "
@@ -200,7 +199,7 @@ def record_experiment(config, checkpoint_dir, *, results_path=None, device=None,
     record = make_record(config, trained, test_scores, test, device=device, started=started, command=command)
     if config.sweep:
         add_tuned_decoding(record, trained, test, log=log)
-        record["protocol"]["beam_tuned"] = PROTOCOL["beam_tuned"]
+    record["protocol"] = {name: PROTOCOL[name] for name in record["translations"]}
     record["bootstrap"] = bleu_bootstrap(test, record["translations"], baseline="beam")
     for name, row in record["bootstrap"].items():
         log(f"  {name}: BLEU {row['bleu']:.2f} +- {row['ci95']:.2f} (95% interval)")
