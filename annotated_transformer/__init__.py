@@ -104,8 +104,9 @@ def __dir__():
 
 
 class _Package(types.ModuleType):
-    """Importing a submodule sets an attribute of its package. Where a public name is also the name of its module
-    (the function ``attention`` of ``attention.py``), the public name keeps the attribute."""
+    """Importing a submodule sets an attribute of its package. Where a public name is
+    also the name of its module (the function ``attention`` of ``attention.py``), the
+    public name keeps the attribute."""
 
     def __setattr__(self, name, value):
         if not (name in _API and isinstance(value, types.ModuleType)):

@@ -18,23 +18,33 @@ from annotated_transformer.runtime import as_int
 def attention(query, key, value, mask=None, dropout=None):
     """Scaled dot-product attention, equation 1 of the paper: softmax(Q Kᵀ / √d_k) V.
 
-    query (..., T, d_k), key (..., S, d_k), value (..., S, d_v). ``mask`` is a bool tensor that broadcasts to
-    (..., T, S); True means "may attend". Masked scores are filled with the most negative finite value of the
-    dtype; a query that may attend to nothing gets zero weights and a zero output (as
-    ``F.scaled_dot_product_attention`` does on a CPU). ``dropout`` (a module) is applied
-    to the weights. In float16 and bfloat16 the scores and the softmax are computed in float32, as the fused kernels do (and autocast never
-    lowers them), so large scores do not overflow; the weights come back in the input's dtype. Returns (output (..., T, d_v), weights (..., T, S)).
+    query (..., T, d_k), key (..., S, d_k), value (..., S, d_v). ``mask`` is a bool
+    tensor that broadcasts to (..., T, S); True means "may attend". Masked scores are
+    filled with the most negative finite value of the dtype; a query that may attend to
+    nothing gets zero weights and a zero output (as ``F.scaled_dot_product_attention``
+    does on a CPU). ``dropout`` (a module) is applied to the weights. In float16 and
+    bfloat16 the scores and the softmax are computed in float32, as the fused kernels do
+    (and autocast never lowers them), so large scores do not overflow; the weights come
+    back in the input's dtype. Returns (output (..., T, d_v), weights (..., T, S)).
     """
     if mask is not None and mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
+        raise TypeError(
+            f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}"
+        )
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not tensor.is_floating_point():  # integer weights would round to 0
             raise TypeError(f"{name} must be floating point, got {tensor.dtype}")
     d_k, dtype = query.size(-1), query.dtype
-    if dtype in (torch.float16, torch.bfloat16):           # 16 bits: scores and softmax in float32
+    # 16 bits: scores and softmax in float32
+    if dtype in (torch.float16, torch.bfloat16):
         query, key = query.float(), key.float()
-    autocast = query.device.type in ("cpu", "cuda")        # switched off: it would cast the scores to 16 bits
-    with torch.autocast(query.device.type, enabled=False) if autocast else contextlib.nullcontext():
+    # switched off: it would cast the scores to 16 bits
+    autocast = query.device.type in ("cpu", "cuda")
+    with (
+        torch.autocast(query.device.type, enabled=False)
+        if autocast
+        else contextlib.nullcontext()
+    ):
         scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)
         if mask is not None:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
@@ -47,19 +57,29 @@ def attention(query, key, value, mask=None, dropout=None):
 
 
 def check_mask(mask, batch, queries, keys):
-    """Validate a (B, 1, S) or (B, T, S) bool mask (True = may attend); return it as (B, 1, 1|T, S).
+    """Validate a (B, 1, S) or (B, T, S) bool mask (True = may attend); return it as (B,
+    1, 1|T, S).
 
-    A batch size of 1 is allowed too (the same mask for every example). Raises TypeError for a mask that is not
-    a bool tensor and ValueError for a wrong shape.
+    A batch size of 1 is allowed too (the same mask for every example). Raises TypeError
+    for a mask that is not a bool tensor and ValueError for a wrong shape.
     """
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor (True = may attend), got {getattr(mask, 'dtype', type(mask))}")
-    if mask.dim() != 3 or mask.size(0) not in (1, batch) or mask.size(1) not in (1, queries) or mask.size(2) != keys:
+        raise TypeError(
+            "mask must be a bool tensor (True = may attend), got "
+            f"{getattr(mask, 'dtype', type(mask))}"
+        )
+    if (
+        mask.dim() != 3
+        or mask.size(0) not in (1, batch)
+        or mask.size(1) not in (1, queries)
+        or mask.size(2) != keys
+    ):
         raise ValueError(
-            f"mask has shape {tuple(mask.shape)}; expected ({batch} or 1, 1 or {queries}, {keys}) "
-            f"for a batch of {batch}, {queries} queries and {keys} keys"
+            f"mask has shape {tuple(mask.shape)}; expected ({batch} or 1, 1 or "
+            f"{queries}, {keys}) for a batch of {batch}, {queries} queries and {keys} "
+            "keys"
         )
     return mask.unsqueeze(1)
 
@@ -67,17 +87,22 @@ def check_mask(mask, batch, queries, keys):
 class MultiHeadedAttention(nn.Module):
     """Multi-head attention (section 3.2.2) with h heads of size d_k = d_model / h.
 
-    ``forward(query, key, value, mask=None, cache=None)`` takes (B, T, d_model) queries, (B, S, d_model) keys
-    and values, and a bool mask of shape (B, 1, S) or (B, T, S) (True = may attend); it returns (B, T, d_model).
-    The default path calls ``F.scaled_dot_product_attention`` (fused kernels). Set ``record_attention = True``
-    to use the explicit ``attention`` instead and keep the weights, (B, h, T, S), in ``attention_weights``.
+    ``forward(query, key, value, mask=None, cache=None)`` takes (B, T, d_model) queries,
+    (B, S, d_model) keys and values, and a bool mask of shape (B, 1, S) or (B, T, S)
+    (True = may attend); it returns (B, T, d_model). The default path calls
+    ``F.scaled_dot_product_attention`` (fused kernels). Set ``record_attention = True``
+    to use the explicit ``attention`` instead and keep the weights, (B, h, T, S), in
+    ``attention_weights``.
     """
 
     def __init__(self, h, d_model, dropout=0.1):
         super().__init__()
-        h, d_model = as_int(h, "h"), as_int(d_model, "d_model")     # 2.0 or True is a TypeError
+        # 2.0 or True is a TypeError
+        h, d_model = as_int(h, "h"), as_int(d_model, "d_model")
         if h < 1 or d_model % h != 0:
-            raise ValueError(f"d_model ({d_model}) must be divisible by the number of heads h ({h})")
+            raise ValueError(
+                f"d_model ({d_model}) must be divisible by the number of heads h ({h})"
+            )
         self.h, self.d_model, self.d_k = h, d_model, d_model // h
         self.w_q = nn.Linear(d_model, d_model)
         self.w_k = nn.Linear(d_model, d_model)
@@ -88,28 +113,37 @@ class MultiHeadedAttention(nn.Module):
         self.attention_weights = None
 
     def split_heads(self, x):
-        """(B, T, d_model) -> (B, h, T, d_k) (keys and values: S for T): view the last axis as h heads, then move
-        the heads forward."""
+        """(B, T, d_model) -> (B, h, T, d_k) (keys and values: S for T): view the last
+        axis as h heads, then move the heads forward."""
         batch, length, _ = x.shape
         return x.view(batch, length, self.h, self.d_k).transpose(1, 2)
 
     def forward(self, query, key, value, mask=None, cache=None):
         for name, x in (("query", query), ("key", key), ("value", value)):
             if x.dim() != 3 or x.size(-1) != self.d_model:
-                raise ValueError(f"{name} must have shape (batch, length, d_model={self.d_model}), got {tuple(x.shape)}")
+                raise ValueError(
+                    f"{name} must have shape (batch, length, d_model={self.d_model}), "
+                    f"got {tuple(x.shape)}"
+                )
         if key.shape[:2] != value.shape[:2]:
-            raise ValueError(f"key and value must have the same batch size and length, got "
-                             f"{tuple(key.shape)} and {tuple(value.shape)}")
+            raise ValueError(
+                "key and value must have the same batch size and length, got "
+                f"{tuple(key.shape)} and {tuple(value.shape)}"
+            )
         batch, length, _ = query.shape
         q = self.split_heads(self.w_q(query))
         if cache is not None and cache.static and cache.key is not None:
-            k, v = cache.key, cache.value                      # cross-attention: projected once, reused
+            # cross-attention: projected once, reused
+            k, v = cache.key, cache.value
         else:
             k, v = self.split_heads(self.w_k(key)), self.split_heads(self.w_v(value))
             if cache is not None:
-                k, v = cache.update(k, v)                      # self-attention: append the new positions
+                # self-attention: append the new positions
+                k, v = cache.update(k, v)
         if k.size(0) != batch:
-            raise ValueError(f"query has batch size {batch} but the keys have batch size {k.size(0)}")
+            raise ValueError(
+                f"query has batch size {batch} but the keys have batch size {k.size(0)}"
+            )
         mask = check_mask(mask, batch, length, k.size(2))
         if self.record_attention:
             x, weights = attention(q, k, v, mask, self.dropout)
@@ -124,11 +158,13 @@ class MultiHeadedAttention(nn.Module):
 
 @dataclass
 class KVCache:
-    """The keys and values of earlier positions, (B, h, S, d_k), kept between decoding steps.
+    """The keys and values of earlier positions, (B, h, S, d_k), kept between decoding
+    steps.
 
-    ``static=False`` (self-attention): ``update`` appends the new positions. ``static=True`` (cross-attention):
-    the first ``update`` stores the keys and values and later calls of ``MultiHeadedAttention`` reuse them.
-    ``len(cache)`` is the number of cached positions.
+    ``static=False`` (self-attention): ``update`` appends the new positions.
+    ``static=True`` (cross-attention): the first ``update`` stores the keys and values
+    and later calls of ``MultiHeadedAttention`` reuse them. ``len(cache)`` is the number
+    of cached positions.
     """
 
     static: bool = False
@@ -139,7 +175,8 @@ class KVCache:
         return 0 if self.key is None else self.key.size(2)
 
     def update(self, key, value):
-        """Store (static) or append (not static) the new keys and values; return all of them."""
+        """Store (static) or append (not static) the new keys and values; return all of
+        them."""
         if self.static or self.key is None:
             self.key, self.value = key, value
         else:
@@ -148,7 +185,8 @@ class KVCache:
         return self.key, self.value
 
     def reorder(self, index):
-        """Keep the batch entries ``index`` (a LongTensor), in that order: used by beam search."""
+        """Keep the batch entries ``index`` (a LongTensor), in that order: used by beam
+        search."""
         if self.key is not None:
             self.key = self.key.index_select(0, index)
             self.value = self.value.index_select(0, index)

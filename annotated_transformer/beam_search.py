@@ -22,19 +22,23 @@ MAX_ALPHA = 10.0  # the largest alpha: far beyond any tuned one, and lp stays fi
 
 
 def length_penalty_factor(length, alpha=0.6, kind="gnmt"):
-    """The divisor of a hypothesis' log-probability: GNMT's ((5 + |Y|) / 6)^alpha, |Y|^alpha, or 1."""
+    """The divisor of a hypothesis' log-probability: GNMT's ((5 + |Y|) / 6)^alpha,
+    |Y|^alpha, or 1."""
     if kind == "gnmt":
         return ((5.0 + length) / 6.0) ** alpha
     if kind == "simple":
         return float(length) ** alpha
     if kind == "none":
         return 1.0
-    raise ValueError(f"length penalty kind must be one of {LENGTH_PENALTIES}, got {kind!r}")
+    raise ValueError(
+        f"length penalty kind must be one of {LENGTH_PENALTIES}, got {kind!r}"
+    )
 
 
 @dataclass
 class Hypothesis:
-    """One output of beam search: its tokens (start symbol first), raw and penalised scores."""
+    """One output of beam search: its tokens (start symbol first), raw and penalised
+    scores."""
 
     tokens: torch.Tensor
     score: float
@@ -42,22 +46,39 @@ class Hypothesis:
 
 
 @torch.no_grad()
-def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, beam_size=4, length_penalty=0.6,
-                n_best=1, penalty="gnmt", on_step=None, *, static=False, compile=False):
-    """Batched beam search. Returns, for each source sentence, its ``n_best`` hypotheses, best first.
+def beam_search(
+    model,
+    src,
+    src_mask,
+    max_len,
+    start_symbol,
+    end_symbol,
+    beam_size=4,
+    length_penalty=0.6,
+    n_best=1,
+    penalty="gnmt",
+    on_step=None,
+    *,
+    static=False,
+    compile=False,
+):
+    """Batched beam search. Returns, for each source sentence, its ``n_best``
+    hypotheses, best first.
 
-    A hypothesis' score is the sum of its tokens' log-probabilities; it is ranked by ``score / lp(|Y|)`` where
-    ``|Y|`` counts the generated tokens (the end symbol included, the start symbol not) and ``lp`` is the length
-    penalty (``penalty``: "gnmt", "simple" or "none"; ``length_penalty`` is alpha >= 0). Outputs have at most
-    ``max_len`` tokens, the start symbol included; hypotheses still open at that length are returned as they are.
-    ``src_mask=None`` lets every position of every source be seen, as in ``greedy_decode``.
-    ``end_symbol=None`` means there is none (every output has the full length). ``on_step``, if given, is called
-    after every step as ``on_step(step, tokens (B, k, step + 1), scores (B, k), finished)``, ``finished`` being
-    each sentence's list of finished hypotheses so far.
-    ``static`` and ``compile`` choose the decoder's cache and step, as in
-    ``greedy_decode`` (see ``beam_decoder``).
+    A hypothesis' score is the sum of its tokens' log-probabilities; it is ranked by
+    ``score / lp(|Y|)`` where ``|Y|`` counts the generated tokens (the end symbol
+    included, the start symbol not) and ``lp`` is the length penalty (``penalty``:
+    "gnmt", "simple" or "none"; ``length_penalty`` is alpha >= 0). Outputs have at most
+    ``max_len`` tokens, the start symbol included; hypotheses still open at that length
+    are returned as they are. ``src_mask=None`` lets every position of every source be
+    seen, as in ``greedy_decode``. ``end_symbol=None`` means there is none (every output
+    has the full length). ``on_step``, if given, is called after every step as
+    ``on_step(step, tokens (B, k, step + 1), scores (B, k), finished)``, ``finished``
+    being each sentence's list of finished hypotheses so far. ``static`` and ``compile``
+    choose the decoder's cache and step, as in ``greedy_decode`` (see ``beam_decoder``).
     """
-    beam_size, n_best = as_int(beam_size, "beam_size"), as_int(n_best, "n_best")   # 2.5 is a TypeError
+    # 2.5 is a TypeError
+    beam_size, n_best = as_int(beam_size, "beam_size"), as_int(n_best, "n_best")
     check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalty)
     check_cache_flags(True, static, compile)
     if src.size(0) == 0:  # no sentences: no hypotheses
@@ -81,23 +102,41 @@ def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, beam_si
         candidates = (scores.view(-1, 1) + log_probs).view(batch, k * vocab)
         top_scores, top_index = candidates.topk(min(2 * k, k * vocab), dim=-1)
         top_beam, top_token = top_index // vocab, top_index % vocab
-        is_end = torch.zeros_like(top_token, dtype=torch.bool) if end_symbol is None else top_token == end_symbol
+        is_end = (
+            torch.zeros_like(top_token, dtype=torch.bool)
+            if end_symbol is None
+            else top_token == end_symbol
+        )
         # 2. Candidates that end, among the k best, are finished: set them aside.
         lp = length_penalty_factor(step, length_penalty, penalty)
-        set_aside_finished(finished, done, tokens, top_scores, top_beam, is_end, end_symbol, lp)
-        # 3. The k best candidates that do not end are the new beams: reorder the tokens and the cache.
+        set_aside_finished(
+            finished, done, tokens, top_scores, top_beam, is_end, end_symbol, lp
+        )
+        # 3. The k best candidates that do not end are the new beams: reorder the tokens
+        # and the cache.
         scores, pick = top_scores.masked_fill(is_end, float("-inf")).topk(k, dim=-1)
         index = (offsets + top_beam.gather(1, pick)).view(-1)
-        tokens = torch.cat([tokens.index_select(0, index), top_token.gather(1, pick).view(-1, 1)], dim=1)
+        tokens = torch.cat(
+            [tokens.index_select(0, index), top_token.gather(1, pick).view(-1, 1)],
+            dim=1,
+        )
         cache.reorder(index)
-        # 4. Stop a sentence at the length limit, or when no open beam can beat its n-th best finished one.
-        stop_finished_sentences(finished, done, tokens, scores, n_best, lp, max_lp, last=step == max_len - 1)
+        # 4. Stop a sentence at the length limit, or when no open beam can beat its n-th
+        # best finished one.
+        stop_finished_sentences(
+            finished, done, tokens, scores, n_best, lp, max_lp, last=step == max_len - 1
+        )
         if on_step is not None:
             on_step(step, tokens.view(batch, k, -1), scores, finished)
         if all(done):
             break
-        scores = scores.masked_fill(torch.tensor(done, device=device).unsqueeze(1), float("-inf"))
-    return [sorted(hyps, key=lambda h: h.penalised, reverse=True)[:n_best] for hyps in finished]
+        scores = scores.masked_fill(
+            torch.tensor(done, device=device).unsqueeze(1), float("-inf")
+        )
+    return [
+        sorted(hyps, key=lambda h: h.penalised, reverse=True)[:n_best]
+        for hyps in finished
+    ]
 
 
 def beam_decoder(model, memory, src_mask, k, max_len, static=False, compile=False):
@@ -121,40 +160,59 @@ def beam_decoder(model, memory, src_mask, k, max_len, static=False, compile=Fals
         model.decode(memory, src_mask, last, None, cache=cache)[:, -1])
 
 
-def check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalty) -> None:
+def check_beam_arguments(
+    src, max_len, beam_size, n_best, length_penalty, penalty
+) -> None:
     """Refuse, with a ValueError naming the argument, what beam_search cannot do."""
     if beam_size < 1 or n_best < 1 or n_best > beam_size:
-        raise ValueError(f"need 1 <= n_best <= beam_size, got n_best={n_best}, beam_size={beam_size}")
+        raise ValueError(
+            f"need 1 <= n_best <= beam_size, got n_best={n_best}, beam_size={beam_size}"
+        )
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
-        raise ValueError(f"max_len must be an int >= 2 (the start symbol and one token), got {max_len!r}")
+        raise ValueError(
+            "max_len must be an int >= 2 (the start symbol and one token), got "
+            f"{max_len!r}"
+        )
     if src.dim() != 2 or src.size(1) == 0:
-        raise ValueError(f"src must have shape (batch, length >= 1), got {tuple(src.shape)}")
+        raise ValueError(
+            f"src must have shape (batch, length >= 1), got {tuple(src.shape)}"
+        )
     alpha = length_penalty  # at most MAX_ALPHA
     if not (isinstance(alpha, (int, float)) and 0 <= alpha <= MAX_ALPHA):  # and not NaN
         raise ValueError(f"length_penalty must be in [0, {MAX_ALPHA:g}], got {alpha!r}")
     length_penalty_factor(1, length_penalty, penalty)  # validates the kind
 
 
-def set_aside_finished(finished, done, tokens, top_scores, top_beam, is_end, end_symbol, lp) -> None:
-    """Step 2: every candidate among a sentence's k best that ends becomes a finished Hypothesis."""
+def set_aside_finished(
+    finished, done, tokens, top_scores, top_beam, is_end, end_symbol, lp
+) -> None:
+    """Step 2: every candidate among a sentence's k best that ends becomes a finished
+    Hypothesis."""
     k = tokens.size(0) // top_scores.size(0)  # beams per sentence
     ending = (is_end[:, :k] & top_scores[:, :k].isfinite()).nonzero().tolist()
     if not ending:
         return
-    ending_scores, ending_beams = top_scores.tolist(), top_beam.tolist()  # one copy to the CPU
+    # one copy to the CPU
+    ending_scores, ending_beams = top_scores.tolist(), top_beam.tolist()
     for b, j in ending:
         if not done[b]:
             row = tokens[b * k + ending_beams[b][j]]
             raw = ending_scores[b][j]
-            finished[b].append(Hypothesis(torch.cat([row, row.new_tensor([end_symbol])]), raw, raw / lp))
+            finished[b].append(
+                Hypothesis(
+                    torch.cat([row, row.new_tensor([end_symbol])]), raw, raw / lp
+                )
+            )
 
 
-def stop_finished_sentences(finished, done, tokens, scores, n_best, lp, max_lp, last) -> None:
+def stop_finished_sentences(
+    finished, done, tokens, scores, n_best, lp, max_lp, last
+) -> None:
     """Step 4: mark the sentences whose search is over in ``done``.
 
-    At the last step (``last``) every open beam becomes a hypothesis as it is. Before it, a sentence is done when
-    it has ``n_best`` finished hypotheses and its best open beam, even at the maximum length (``max_lp``), cannot
-    beat the n-th best of them.
+    At the last step (``last``) every open beam becomes a hypothesis as it is. Before
+    it, a sentence is done when it has ``n_best`` finished hypotheses and its best open
+    beam, even at the maximum length (``max_lp``), cannot beat the n-th best of them.
     """
     k = scores.size(1)
     beam_scores = scores.tolist()  # best first, for each sentence
@@ -164,16 +222,20 @@ def stop_finished_sentences(finished, done, tokens, scores, n_best, lp, max_lp, 
         if last:
             for j, raw in enumerate(beam_scores[b]):
                 if raw != float("-inf"):
-                    finished[b].append(Hypothesis(tokens[b * k + j].clone(), raw, raw / lp))
+                    finished[b].append(
+                        Hypothesis(tokens[b * k + j].clone(), raw, raw / lp)
+                    )
             done[b] = True
         elif len(finished[b]) >= n_best:
             kept = sorted((h.penalised for h in finished[b]), reverse=True)[n_best - 1]
-            if beam_scores[b][0] / max_lp <= kept:  # the best any open beam could still reach
+            # the best any open beam could still reach
+            if beam_scores[b][0] / max_lp <= kept:
                 done[b] = True
 
 
 class Tokenizer(Protocol):
-    """What decoding needs to know about a task's vocabulary: its special ids and the way to and from text."""
+    """What decoding needs to know about a task's vocabulary: its special ids and the
+    way to and from text."""
 
     pad: int
     start: int
@@ -186,27 +248,42 @@ class Tokenizer(Protocol):
         """The text of an output's ids (without the start and end symbols)."""
 
     def max_len(self, source_length: int) -> int:
-        """The longest output, start symbol included, for a source of ``source_length`` ids."""
+        """The longest output, start symbol included, for a source of ``source_length``
+        ids."""
 
 
 class TokenIds:
-    """The tokenizer of tasks without text (the copy task): a sentence is a line of space-separated token ids."""
+    """The tokenizer of tasks without text (the copy task): a sentence is a line of
+    space-separated token ids."""
 
-    def __init__(self, vocab: int, *, pad: int = 0, start: int = 1, end: int | None = None,
-                 source_start: bool = True):
+    def __init__(
+        self,
+        vocab: int,
+        *,
+        pad: int = 0,
+        start: int = 1,
+        end: int | None = None,
+        source_start: bool = True,
+    ):
         self.vocab, self.pad, self.start, self.end = vocab, pad, start, end
         self.source_start = source_start
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (ids separated by spaces), with the start symbol first if the task wants it."""
+        """Token ids of ``text`` (ids separated by spaces), with the start symbol first
+        if the task wants it."""
         ids = []
         for word in text.split():
             try:
                 value = int(word)
             except ValueError:
-                raise ValueError(f"expected token ids (integers separated by spaces), got {word!r}") from None
+                raise ValueError(
+                    f"expected token ids (integers separated by spaces), got {word!r}"
+                ) from None
             if not 0 <= value < self.vocab or value == self.pad:
-                raise ValueError(f"token id {value} is outside 0..{self.vocab - 1} or is the padding id {self.pad}")
+                raise ValueError(
+                    f"token id {value} is outside 0..{self.vocab - 1} or is the "
+                    f"padding id {self.pad}"
+                )
             ids.append(value)
         return [self.start] + ids if self.source_start else ids
 
@@ -220,7 +297,8 @@ class TokenIds:
 
 
 def positional_limits(model) -> tuple[int | None, int | None]:
-    """The sizes of ``model``'s source and target positional tables (None where a model has no such table)."""
+    """The sizes of ``model``'s source and target positional tables (None where a model
+    has no such table)."""
     def size(embed_name):
         position = getattr(getattr(model, embed_name, None), "position", None)
         return getattr(position, "max_len", None)
@@ -228,44 +306,74 @@ def positional_limits(model) -> tuple[int | None, int | None]:
 
 
 def check_lengths(model, sources, max_len) -> None:
-    """Refuse, before any decoding, a source or an explicit ``max_len`` longer than the model's positional tables."""
+    """Refuse, before any decoding, a source or an explicit ``max_len`` longer than the
+    model's positional tables."""
     src_limit, tgt_limit = positional_limits(model)
     if src_limit is not None:
         for index, source in enumerate(sources):
             if len(source) > src_limit:
-                raise ValueError(f"sentence {index} (counting from 0) has {len(source)} tokens; this model reads at "
-                                 f"most {src_limit}: shorten or split it")
+                raise ValueError(
+                    f"sentence {index} (counting from 0) has {len(source)} tokens; "
+                    f"this model reads at most {src_limit}: shorten or split it"
+                )
     if max_len is not None:
         if as_int(max_len, "max_len") < 2:
-            raise ValueError(f"max_len must be at least 2 (the start symbol and one token), got {max_len}")
+            raise ValueError(
+                "max_len must be at least 2 (the start symbol and one token), got "
+                f"{max_len}"
+            )
         if tgt_limit is not None and max_len > tgt_limit:
-            raise ValueError(f"max_len is {max_len}, but this model writes at most {tgt_limit} tokens, the start "
-                             f"symbol included: use a max_len of at most {tgt_limit}")
+            raise ValueError(
+                f"max_len is {max_len}, but this model writes at most {tgt_limit} "
+                "tokens, the start symbol included: use a max_len of at most "
+                f"{tgt_limit}"
+            )
 
 
-def strip_special(tokens: Sequence[int], start: int, end: int | None = None) -> list[int]:
-    """A decoder's output without its leading start symbol, cut before the first end symbol."""
+def strip_special(
+    tokens: Sequence[int], start: int, end: int | None = None
+) -> list[int]:
+    """A decoder's output without its leading start symbol, cut before the first end
+    symbol."""
     tokens = list(tokens)
     tokens = tokens[1:] if tokens and tokens[0] == start else tokens
     return tokens[: tokens.index(end)] if end is not None and end in tokens else tokens
 
 
 @torch.no_grad()
-def translate_ids(model, tokenizer: Tokenizer, sources: Sequence[Sequence[int]], *, beam_size: int = 4,
-                  length_penalty: float = 0.6, penalty: str = "gnmt", max_len: int | None = None,
-                  batch_size: int = 32) -> list[list[int]]:
-    """Decode each source (a list of ids); return each output's ids, in the order of ``sources``.
+def translate_ids(
+    model,
+    tokenizer: Tokenizer,
+    sources: Sequence[Sequence[int]],
+    *,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    penalty: str = "gnmt",
+    max_len: int | None = None,
+    batch_size: int = 32,
+) -> list[list[int]]:
+    """Decode each source (a list of ids); return each output's ids, in the order of
+    ``sources``.
 
-    ``beam_size=1`` is greedy decoding, larger beams are beam search with ``length_penalty`` (alpha) and
-    ``penalty``. ``max_len`` limits every output, start symbol included (default:
-    ``tokenizer.max_len(source length)``, cut to the model's positional table). ``tokenizer`` gives the special ids.
-    Sources and ``max_len`` are checked against the model's positional tables before anything is decoded.
+    ``beam_size=1`` is greedy decoding, larger beams are beam search with
+    ``length_penalty`` (alpha) and ``penalty``. ``max_len`` limits every output, start
+    symbol included (default: ``tokenizer.max_len(source length)``, cut to the model's
+    positional table). ``tokenizer`` gives the special ids. Sources and ``max_len`` are
+    checked against the model's positional tables before anything is decoded.
     """
-    beam_size, batch_size = as_int(beam_size, "beam_size"), as_int(batch_size, "batch_size")
+    beam_size, batch_size = (
+        as_int(beam_size, "beam_size"),
+        as_int(batch_size, "batch_size"),
+    )
     if beam_size < 1 or batch_size < 1:
-        raise ValueError(f"beam_size and batch_size must be >= 1, got {beam_size} and {batch_size}")
+        raise ValueError(
+            f"beam_size and batch_size must be >= 1, got {beam_size} and {batch_size}"
+        )
     if isinstance(sources, (str, bytes)):
-        raise TypeError("sources must be a list of sources (each a list of token ids), got one string")
+        raise TypeError(
+            "sources must be a list of sources (each a list of token ids), got one "
+            "string"
+        )
     if any(len(source) == 0 for source in sources):
         raise ValueError("every source needs at least one token")
     check_lengths(model, sources, max_len)
@@ -277,46 +385,88 @@ def translate_ids(model, tokenizer: Tokenizer, sources: Sequence[Sequence[int]],
     outputs: list[list[int]] = [[] for _ in sources]
     with evaluating(model):
         for length, indices in sorted(by_length.items()):
-            limit = max_len if max_len is not None else min(tokenizer.max_len(length), tgt_limit or math.inf)
+            limit = (
+                max_len
+                if max_len is not None
+                else min(tokenizer.max_len(length), tgt_limit or math.inf)
+            )
             for first in range(0, len(indices), batch_size):
                 chunk = indices[first: first + batch_size]
                 src = torch.tensor([list(sources[i]) for i in chunk], device=device)
                 src_mask = padding_mask(src, tokenizer.pad)
                 if beam_size == 1:
-                    rows = greedy_decode(model, src, src_mask, limit, tokenizer.start, tokenizer.end).tolist()
+                    rows = greedy_decode(
+                        model, src, src_mask, limit, tokenizer.start, tokenizer.end
+                    ).tolist()
                 else:
-                    found = beam_search(model, src, src_mask, limit, tokenizer.start, tokenizer.end,
-                                        beam_size=beam_size, length_penalty=length_penalty, penalty=penalty)
+                    found = beam_search(
+                        model,
+                        src,
+                        src_mask,
+                        limit,
+                        tokenizer.start,
+                        tokenizer.end,
+                        beam_size=beam_size,
+                        length_penalty=length_penalty,
+                        penalty=penalty,
+                    )
                     rows = [hypotheses[0].tokens.tolist() for hypotheses in found]
                 for i, row in zip(chunk, rows):
                     outputs[i] = strip_special(row, tokenizer.start, tokenizer.end)
     return outputs
 
 
-def translate(model, tokenizer: Tokenizer, sentences: Sequence[str], *, beam_size: int = 4,
-              length_penalty: float = 0.6, penalty: str = "gnmt", max_len: int | None = None,
-              batch_size: int = 32) -> list[str]:
-    """Translate sentences (strings) with ``translate_ids``; a list of strings in the order of ``sentences``."""
+def translate(
+    model,
+    tokenizer: Tokenizer,
+    sentences: Sequence[str],
+    *,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    penalty: str = "gnmt",
+    max_len: int | None = None,
+    batch_size: int = 32,
+) -> list[str]:
+    """Translate sentences (strings) with ``translate_ids``; a list of strings in the
+    order of ``sentences``."""
     if isinstance(sentences, (str, bytes)):
-        raise TypeError("sentences must be a list of sentences (strings), got one string: pass [sentence]")
+        raise TypeError(
+            "sentences must be a list of sentences (strings), got one string: pass "
+            "[sentence]"
+        )
     sources = []
     for index, sentence in enumerate(sentences):
         if not isinstance(sentence, str):
-            raise TypeError(f"sentences must be strings, got {type(sentence).__name__} at index {index}")
+            raise TypeError(
+                f"sentences must be strings, got {type(sentence).__name__} at index "
+                f"{index}"
+            )
         if not sentence.strip():
-            raise ValueError(f"sentence {index} is empty: there is nothing to translate")
+            raise ValueError(
+                f"sentence {index} is empty: there is nothing to translate"
+            )
         try:
             sources.append(tokenizer.encode(sentence))
         except ValueError as error:
             raise ValueError(f"sentence {index}: {error}") from None
-    outputs = translate_ids(model, tokenizer, sources, beam_size=beam_size, length_penalty=length_penalty,
-                            penalty=penalty, max_len=max_len, batch_size=batch_size)
+    outputs = translate_ids(
+        model,
+        tokenizer,
+        sources,
+        beam_size=beam_size,
+        length_penalty=length_penalty,
+        penalty=penalty,
+        max_len=max_len,
+        batch_size=batch_size,
+    )
     return [tokenizer.decode(ids) for ids in outputs]
 
 
-def translate_lines(model, tokenizer: Tokenizer, lines: Sequence[str], **options) -> list[str]:
-    """``translate`` for the lines of a file (options: those of ``translate_ids``): an empty line gives an empty
-    line, and every error names its line, counted from 1."""
+def translate_lines(
+    model, tokenizer: Tokenizer, lines: Sequence[str], **options
+) -> list[str]:
+    """``translate`` for the lines of a file (options: those of ``translate_ids``): an
+    empty line gives an empty line, and every error names its line, counted from 1."""
     numbers = [number for number, line in enumerate(lines, start=1) if line.strip()]
     sources, limit = [], positional_limits(model)[0]
     for number in numbers:
@@ -325,9 +475,13 @@ def translate_lines(model, tokenizer: Tokenizer, lines: Sequence[str], **options
         except ValueError as error:
             raise ValueError(f"line {number}: {error}") from None
         if limit is not None and len(sources[-1]) > limit:
-            raise ValueError(f"line {number} has {len(sources[-1])} tokens; this model reads at most {limit}: "
-                             "shorten or split it")
+            raise ValueError(
+                f"line {number} has {len(sources[-1])} tokens; this model reads at "
+                f"most {limit}: shorten or split it"
+            )
     outputs = [""] * len(lines)
-    for number, ids in zip(numbers, translate_ids(model, tokenizer, sources, **options)):
+    for number, ids in zip(
+        numbers, translate_ids(model, tokenizer, sources, **options)
+    ):
         outputs[number - 1] = tokenizer.decode(ids)
     return outputs

@@ -14,7 +14,12 @@ import torch
 from annotated_transformer.layer_types import LAYER_COLUMNS, layer_sweep
 from annotated_transformer.measure import CLOCKS, format_table
 from annotated_transformer.performance import (
-    ATTENTION_COLUMNS, DECODING_COLUMNS, TRAINING_COLUMNS, attention_sweep, decoding_throughput, peak_flops,
+    ATTENTION_COLUMNS,
+    DECODING_COLUMNS,
+    TRAINING_COLUMNS,
+    attention_sweep,
+    decoding_throughput,
+    peak_flops,
     training_throughput,
 )
 from annotated_transformer.records import command_line, write_json
@@ -25,31 +30,68 @@ SECTIONS = ("training", "attention", "decoding", "layers")
 
 
 def benchmark_sizes(device_type: str, smoke: bool = False) -> dict:
-    """The sizes of each section: tiny (``smoke``), small for a CPU, the paper's base model for a GPU."""
+    """The sizes of each section: tiny (``smoke``), small for a CPU, the paper's base
+    model for a GPU."""
     if smoke:
         tiny = dict(N=1, d_model=32, d_ff=64, h=2, vocab=100)
-        return dict(training=[(dict(tiny, name="smoke"), dict(batch=4, src_len=8, tgt_len=8))], steps=2, warmup=1,
-                    attention=dict(lengths=[32, 64], batch=1, heads=2, d_k=16), repeat=2,
-                    decoding=dict(config=tiny, batch_sizes=(1, 4), output_tokens=(4, 8), src_len=6),
-                    layers=dict(lengths=[8, 16], widths=[16], batch=2))
+        return dict(
+            training=[(dict(tiny, name="smoke"), dict(batch=4, src_len=8, tgt_len=8))],
+            steps=2,
+            warmup=1,
+            attention=dict(lengths=[32, 64], batch=1, heads=2, d_k=16),
+            repeat=2,
+            decoding=dict(
+                config=tiny, batch_sizes=(1, 4), output_tokens=(4, 8), src_len=6
+            ),
+            layers=dict(lengths=[8, 16], widths=[16], batch=2),
+        )
     if device_type == "cuda":
         base = dict(name="base", N=6, d_model=512, d_ff=2048, h=8, vocab=37000)
-        return dict(training=[(base, dict(batch=256, src_len=96, tgt_len=96))], steps=20, warmup=5,
-                    attention=dict(lengths=[1024, 2048, 4096, 8192], batch=4, heads=8, d_k=64), repeat=10,
-                    decoding=dict(config=base, batch_sizes=(1, 64), output_tokens=(16, 64), src_len=32),
-                    layers=dict(lengths=[64, 128, 256, 512, 1024, 2048, 4096, 8192], widths=[512], batch=16))
+        return dict(
+            training=[(base, dict(batch=256, src_len=96, tgt_len=96))],
+            steps=20,
+            warmup=5,
+            attention=dict(lengths=[1024, 2048, 4096, 8192], batch=4, heads=8, d_k=64),
+            repeat=10,
+            decoding=dict(
+                config=base, batch_sizes=(1, 64), output_tokens=(16, 64), src_len=32
+            ),
+            layers=dict(
+                lengths=[64, 128, 256, 512, 1024, 2048, 4096, 8192],
+                widths=[512],
+                batch=16,
+            ),
+        )
     small = dict(name="small", N=2, d_model=256, d_ff=1024, h=4, vocab=8000)
-    return dict(training=[(dict(name="tiny", N=2, d_model=64, d_ff=256, h=4, vocab=1000),
-                           dict(batch=16, src_len=32, tgt_len=32)),
-                          (small, dict(batch=16, src_len=32, tgt_len=32))], steps=20, warmup=2,
-                attention=dict(lengths=[128, 256, 512, 1024, 2048], batch=1, heads=8, d_k=64), repeat=5,
-                decoding=dict(config=small, batch_sizes=(1, 64), output_tokens=(16, 64), src_len=16),
-                layers=dict(lengths=[16, 32, 64, 128, 256, 512, 1024], widths=[128], batch=8))
+    return dict(
+        training=[
+            (
+                dict(name="tiny", N=2, d_model=64, d_ff=256, h=4, vocab=1000),
+                dict(batch=16, src_len=32, tgt_len=32),
+            ),
+            (small, dict(batch=16, src_len=32, tgt_len=32)),
+        ],
+        steps=20,
+        warmup=2,
+        attention=dict(lengths=[128, 256, 512, 1024, 2048], batch=1, heads=8, d_k=64),
+        repeat=5,
+        decoding=dict(
+            config=small, batch_sizes=(1, 64), output_tokens=(16, 64), src_len=16
+        ),
+        layers=dict(lengths=[16, 32, 64, 128, 256, 512, 1024], widths=[128], batch=8),
+    )
 
 
-def run_benchmarks(device=None, smoke: bool = False, sections=SECTIONS, dtype=None, compile: bool = False,
-                   clock: str = "wall") -> dict:
-    """Run the benchmark ``sections`` on ``device`` and return the results with a description of the run.
+def run_benchmarks(
+    device=None,
+    smoke: bool = False,
+    sections=SECTIONS,
+    dtype=None,
+    compile: bool = False,
+    clock: str = "wall",
+) -> dict:
+    """Run the benchmark ``sections`` on ``device`` and return the results with a
+    description of the run.
 
     ``dtype`` defaults to the precision of training there (``choose_precision``:
     bfloat16 or float16 autocast on CUDA, float32 elsewhere); ``clock`` is "wall" or
@@ -60,51 +102,103 @@ def run_benchmarks(device=None, smoke: bool = False, sections=SECTIONS, dtype=No
     if unknown:
         raise ValueError(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
     if clock not in CLOCKS or (clock == "cpu" and device.type != "cpu"):
-        raise ValueError(f"clock must be 'wall', or 'cpu' on a CPU device; got {clock!r} on {device}")
+        raise ValueError(
+            f"clock must be 'wall', or 'cpu' on a CPU device; got {clock!r} on {device}"
+        )
     if dtype is None:
         dtype = choose_precision(device).dtype  # by the GPU: bf16 or fp16; else fp32
     sizes = benchmark_sizes(device.type, smoke)
     timing = dict(device=device, clock=clock)
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    results: dict = dict(meta=dict(
-        device=str(device), device_name=describe_device(device), dtype=str(dtype).replace("torch.", ""),
-        torch=torch.__version__, python=platform.python_version(), threads=torch.get_num_threads(), clock=clock,
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), smoke=smoke,
-        compiled=compile, peak_flops=peak_flops(gpu_name, dtype) if gpu_name else None,
-    ))
+    results: dict = dict(
+        meta=dict(
+            device=str(device),
+            device_name=describe_device(device),
+            dtype=str(dtype).replace("torch.", ""),
+            torch=torch.__version__,
+            python=platform.python_version(),
+            threads=torch.get_num_threads(),
+            clock=clock,
+            date=datetime.datetime.now(datetime.timezone.utc).strftime(
+                "%Y-%m-%d %H:%M UTC"
+            ),
+            smoke=smoke,
+            compiled=compile,
+            peak_flops=peak_flops(gpu_name, dtype) if gpu_name else None,
+        )
+    )
     if "training" in sections:
         results["training"] = [
-            training_throughput(config, **shape, dtype=dtype, steps=sizes["steps"], warmup=sizes["warmup"],
-                                compile=compile, **timing)
-            for config, shape in sizes["training"]]
+            training_throughput(
+                config,
+                **shape,
+                dtype=dtype,
+                steps=sizes["steps"],
+                warmup=sizes["warmup"],
+                compile=compile,
+                **timing,
+            )
+            for config, shape in sizes["training"]
+        ]
     if "attention" in sections:
-        results["attention"] = attention_sweep(**sizes["attention"], dtype=dtype, repeat=sizes["repeat"], **timing)
+        results["attention"] = attention_sweep(
+            **sizes["attention"], dtype=dtype, repeat=sizes["repeat"], **timing
+        )
     if "decoding" in sections:
-        results["decoding"] = decoding_throughput(**sizes["decoding"], dtype=dtype, repeat=sizes["repeat"], **timing)
+        results["decoding"] = decoding_throughput(
+            **sizes["decoding"], dtype=dtype, repeat=sizes["repeat"], **timing
+        )
     if "layers" in sections:
-        # cuDNN's recurrent kernels accept bfloat16 only in recent versions; float16 runs on the same tensor cores
-        layer_dtype = torch.float16 if dtype == torch.bfloat16 and device.type == "cuda" else dtype
-        results["layers"] = layer_sweep(**sizes["layers"], dtype=layer_dtype, repeat=sizes["repeat"], **timing)
+        # cuDNN's recurrent kernels accept bfloat16 only in recent versions; float16
+        # runs on the same tensor cores
+        layer_dtype = (
+            torch.float16
+            if dtype == torch.bfloat16 and device.type == "cuda"
+            else dtype
+        )
+        results["layers"] = layer_sweep(
+            **sizes["layers"], dtype=layer_dtype, repeat=sizes["repeat"], **timing
+        )
     return results
 
 
 TABLES = {
-    "training": ("Training step: make_model against nn.Transformer (target tokens per second)", TRAINING_COLUMNS),
-    "attention": ("Attention: explicit equation 1 against F.scaled_dot_product_attention (forward)",
-                  ATTENTION_COLUMNS),
-    "decoding": ("Decoding: generated tokens per second (random weights, end symbol forbidden)", DECODING_COLUMNS),
-    "layers": ("Layers of Table 1: one forward pass (batch of sequences, width d)", LAYER_COLUMNS),
+    "training": (
+        "Training step: make_model against nn.Transformer (target tokens per second)",
+        TRAINING_COLUMNS,
+    ),
+    "attention": (
+        "Attention: explicit equation 1 against F.scaled_dot_product_attention "
+        "(forward)",
+        ATTENTION_COLUMNS,
+    ),
+    "decoding": (
+        "Decoding: generated tokens per second (random weights, end symbol forbidden)",
+        DECODING_COLUMNS,
+    ),
+    "layers": (
+        "Layers of Table 1: one forward pass (batch of sequences, width d)",
+        LAYER_COLUMNS,
+    ),
 }
 
 
 def format_tables(results: dict) -> str:
-    """All the tables of a ``run_benchmarks`` result, each with its title, after a line describing the run."""
+    """All the tables of a ``run_benchmarks`` result, each with its title, after a line
+    describing the run."""
     meta = results["meta"]
     name = meta["device_name"]
-    where = name if name.startswith(meta["device"].split(":")[0]) else f"{meta['device']} ({name})"
-    lines = [f"device: {where}, dtype: {meta['dtype']}, torch {meta['torch']}, "
-             f"{meta.get('clock', 'wall')} clock, {meta['date']}" + (", smoke sizes" if meta.get("smoke") else "")
-             + (", torch.compile" if meta.get("compiled") else "")]
+    where = (
+        name
+        if name.startswith(meta["device"].split(":")[0])
+        else f"{meta['device']} ({name})"
+    )
+    lines = [
+        f"device: {where}, dtype: {meta['dtype']}, torch {meta['torch']}, "
+        f"{meta.get('clock', 'wall')} clock, {meta['date']}"
+        + (", smoke sizes" if meta.get("smoke") else "")
+        + (", torch.compile" if meta.get("compiled") else "")
+    ]
     for section, (title, columns) in TABLES.items():
         if results.get(section):
             lines += ["", title, format_table(results[section], columns)]
@@ -114,9 +208,17 @@ def format_tables(results: dict) -> str:
 MAX_THREADS_PER_CPU = 4  # the most threads `--threads` may ask for, per CPU
 
 
-def run(smoke: bool = False, device=None, sections=SECTIONS, json_path=None, threads: int | None = None,
-        compile: bool = False, clock: str = "wall") -> int:
-    """The ``bench`` command: run the ``sections``, print their tables, save them to ``json_path`` if given."""
+def run(
+    smoke: bool = False,
+    device=None,
+    sections=SECTIONS,
+    json_path=None,
+    threads: int | None = None,
+    compile: bool = False,
+    clock: str = "wall",
+) -> int:
+    """The ``bench`` command: run the ``sections``, print their tables, save them to
+    ``json_path`` if given."""
     if threads is not None:
         most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)  # far more would only thrash
         if not 1 <= threads <= most:  # (and 100,000 threads crash PyTorch's pool)
@@ -126,7 +228,9 @@ def run(smoke: bool = False, device=None, sections=SECTIONS, json_path=None, thr
     device = get_device(device)  # a ValueError: one line from the command line's main
     if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
         raise ValueError("--clock cpu needs --device cpu and one thread (--threads 1)")
-    results = run_benchmarks(device, smoke=smoke, sections=tuple(sections), compile=compile, clock=clock)
+    results = run_benchmarks(
+        device, smoke=smoke, sections=tuple(sections), compile=compile, clock=clock
+    )
     results["meta"]["command"] = command_line()
     print(format_tables(results))
     if json_path is not None:

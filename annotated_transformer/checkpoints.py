@@ -24,7 +24,8 @@ from annotated_transformer.runtime import get_device
 
 
 def rng_state() -> dict:
-    """The states of Python's and PyTorch's random number generators (CPU, and CUDA if in use)."""
+    """The states of Python's and PyTorch's random number generators (CPU, and CUDA if
+    in use)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -45,12 +46,17 @@ def write_atomically(path, write, *, mode: str = "wb") -> Path:
     a rename (``mode`` "wb", or "w": UTF-8); a failure leaves nothing behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    handle, temporary = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
+    )
     umask = os.umask(0o022)
     os.umask(umask)
     try:
-        os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode that open() would
-        with os.fdopen(handle, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as stream:
+        # mkstemp makes 0600; give the file the mode that open() would
+        os.chmod(temporary, 0o666 & ~umask)
+        with os.fdopen(
+            handle, mode, **({} if "b" in mode else {"encoding": "utf-8"})
+        ) as stream:
             write(stream)
             stream.flush()
             os.fsync(stream.fileno())
@@ -62,7 +68,8 @@ def write_atomically(path, write, *, mode: str = "wb") -> Path:
     return path
 
 
-CHECKPOINT_FORMAT = 2  # 2: with a SHA-256 checksum; 1 (before checksums): read, with a warning
+# 2: with a SHA-256 checksum; 1 (before checksums): read, with a warning
+CHECKPOINT_FORMAT = 2
 
 
 class CheckpointError(ValueError):
@@ -84,24 +91,39 @@ def content_digest(state) -> str:
                 feed(key)
                 feed(item)
         elif isinstance(value, (list, tuple)):
-            digest.update(f"{'list' if isinstance(value, list) else 'tuple'} {len(value)}:".encode())
+            kind = "list" if isinstance(value, list) else "tuple"
+            digest.update(f"{kind} {len(value)}:".encode())
             for item in value:
                 feed(item)
         elif isinstance(value, bytes):
             digest.update(f"bytes {len(value)}:".encode() + value)
         elif value is None or isinstance(value, (bool, int, float, str)):
-            kind = next(k for k in (bool, int, float, str, type(None)) if isinstance(value, k)).__name__
+            kind = next(
+                k for k in (bool, int, float, str, type(None)) if isinstance(value, k)
+            ).__name__
             text = float.hex(value) if kind == "float" else str(value)
             digest.update(f"{kind} {len(text)}:{text}".encode())
         else:
-            raise TypeError(f"a checkpoint holds tensors and plain values only, not {type(value).__name__}")
+            raise TypeError(
+                "a checkpoint holds tensors and plain values only, not "
+                f"{type(value).__name__}"
+            )
 
     feed(state)
     return digest.hexdigest()
 
 
-def save_checkpoint(path, *, model: nn.Module, optimizer=None, scheduler=None, step: int = 0,
-                    config: dict | None = None, extra: dict | None = None, rng: list | None = None) -> Path:
+def save_checkpoint(
+    path,
+    *,
+    model: nn.Module,
+    optimizer=None,
+    scheduler=None,
+    step: int = 0,
+    config: dict | None = None,
+    extra: dict | None = None,
+    rng: list | None = None,
+) -> Path:
     """Write atomically the weights, optimiser and schedule states, step, generators'
     states (``rng``), ``config`` (or ``model.config``) and ``extra``, with a SHA-256."""
     path = Path(path)
@@ -121,34 +143,46 @@ def save_checkpoint(path, *, model: nn.Module, optimizer=None, scheduler=None, s
 
 
 def torch_reason(error: Exception) -> str:
-    """The line of a ``torch.load`` error that says what happened (its messages run to many lines of advice)."""
+    """The line of a ``torch.load`` error that says what happened (its messages run to
+    many lines of advice)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
     line = next((line for line in lines if "WeightsUnpickler error:" in line), lines[0])
-    return f"{type(error).__name__}: {line.split('WeightsUnpickler error:')[-1].strip().split('. ')[0]}"
+    message = line.split("WeightsUnpickler error:")[-1].strip().split(". ")[0]
+    return f"{type(error).__name__}: {message}"
 
 
 def read_checkpoint_file(path: Path, map_location="cpu"):
-    """``torch.load(path, weights_only=True)``; every way the file can fail to load is one CheckpointError."""
+    """``torch.load(path, weights_only=True)``; every way the file can fail to load is
+    one CheckpointError."""
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path} is empty (0 bytes): it holds no checkpoint")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except PermissionError:
         raise
-    except Exception as error:  # RuntimeError, EOFError, OSError, KeyError, pickle's errors, ...: all mean one thing
+    # RuntimeError, EOFError, OSError, KeyError, pickle's errors, ...: all mean one
+    # thing
+    except Exception as error:
         reason = torch_reason(error)
         if "Unsupported global" in reason:
-            raise CheckpointError(f"{path} is not a checkpoint of this book: it holds objects other than tensors and "
-                                  f"plain values, which loading with weights_only refuses ({reason})") from error
-        raise CheckpointError(f"{path} cannot be read: it is truncated, damaged or not a PyTorch file "
-                              f"({reason})") from error
+            raise CheckpointError(
+                f"{path} is not a checkpoint of this book: it holds objects other than "
+                "tensors and plain values, which loading with weights_only refuses "
+                f"({reason})"
+            ) from error
+        raise CheckpointError(
+            f"{path} cannot be read: it is truncated, damaged or not a PyTorch file "
+            f"({reason})"
+        ) from error
 
 
-VERIFIED: dict[Path, tuple] = {}  # checkpoints this process verified: path -> its file_stamp when it was read
+# checkpoints this process verified: path -> its file_stamp when it was read
+VERIFIED: dict[Path, tuple] = {}
 
 
 def file_stamp(path: Path) -> tuple:
-    """What changes when a file is rewritten or modified: its inode, size and modification and change times."""
+    """What changes when a file is rewritten or modified: its inode, size and
+    modification and change times."""
     info = path.stat()
     return info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
@@ -163,19 +197,35 @@ def load_checkpoint(path, map_location="cpu") -> dict:
     checkpoint = read_checkpoint_file(path, map_location)
     version = checkpoint.get("format") if isinstance(checkpoint, dict) else None
     if version not in (1, CHECKPOINT_FORMAT):
-        what = f"format {version!r}" if isinstance(checkpoint, dict) else f"a {type(checkpoint).__name__}"
-        raise CheckpointError(f"{path} is not a checkpoint of this book: it holds {what}, where a checkpoint is a "
-                              f"dictionary of format {CHECKPOINT_FORMAT}")
+        what = (
+            f"format {version!r}"
+            if isinstance(checkpoint, dict)
+            else f"a {type(checkpoint).__name__}"
+        )
+        raise CheckpointError(
+            f"{path} is not a checkpoint of this book: it holds {what}, where a "
+            f"checkpoint is a dictionary of format {CHECKPOINT_FORMAT}"
+        )
     if version == 1:
-        warnings.warn(f"{path} was written before checkpoints carried a checksum (format 1): it is read, but "
-                      "it cannot be verified", stacklevel=2)
+        warnings.warn(
+            f"{path} was written before checkpoints carried a checksum (format 1): it "
+            "is read, but it cannot be verified",
+            stacklevel=2,
+        )
     else:
         try:
-            digest = content_digest({key: value for key, value in checkpoint.items() if key != "checksum"})
+            digest = content_digest(
+                {key: value for key, value in checkpoint.items() if key != "checksum"}
+            )
         except TypeError as error:
-            raise CheckpointError(f"{path} is not a checkpoint of this book: {error}") from None
+            raise CheckpointError(
+                f"{path} is not a checkpoint of this book: {error}"
+            ) from None
         if checkpoint.get("checksum") != digest:
-            raise CheckpointError(f"{path}: checksum mismatch: the file was changed or damaged after it was written")
+            raise CheckpointError(
+                f"{path}: checksum mismatch: the file was changed or damaged after it "
+                "was written"
+            )
     if problem := structure_problem(checkpoint):
         raise CheckpointError(f"{path} holds what this version cannot use: {problem}")
     VERIFIED[path.resolve()] = stamp
@@ -205,24 +255,35 @@ def config_difference(a: dict, b: dict) -> list[str]:
 
 
 def load_model_state(model: nn.Module, checkpoint: dict) -> None:
-    """Load a checkpoint's weights into ``model``; refuse, naming the differences, another configuration."""
+    """Load a checkpoint's weights into ``model``; refuse, naming the differences,
+    another configuration."""
     mine, theirs = getattr(model, "config", None), checkpoint.get("config")
     if mine and theirs:
         keys = config_difference(theirs, mine)
         if keys:
-            details = ", ".join(f"{key} (checkpoint {theirs.get(key)!r}, model {mine.get(key)!r})" for key in keys)
-            raise ValueError(f"the checkpoint is for another model configuration: {details}")
+            details = ", ".join(
+                f"{key} (checkpoint {theirs.get(key)!r}, model {mine.get(key)!r})"
+                for key in keys
+            )
+            raise ValueError(
+                f"the checkpoint is for another model configuration: {details}"
+            )
     try:
         model.load_state_dict(checkpoint["model"])
     except RuntimeError as error:
-        raise ValueError(f"the checkpoint's weights do not fit the model: {error}") from None
+        raise ValueError(
+            f"the checkpoint's weights do not fit the model: {error}"
+        ) from None
 
 
 def model_from_checkpoint(path, device=None) -> tuple[nn.Module, dict]:
-    """Rebuild the model a checkpoint was written from, load its weights; return (model in eval mode, checkpoint)."""
+    """Rebuild the model a checkpoint was written from, load its weights; return (model
+    in eval mode, checkpoint)."""
     checkpoint = load_checkpoint(path)
     if not checkpoint.get("config"):
-        raise ValueError(f"{path} holds no model configuration, so the model cannot be rebuilt")
+        raise ValueError(
+            f"{path} holds no model configuration, so the model cannot be rebuilt"
+        )
     model = make_model(**checkpoint["config"])
     load_model_state(model, checkpoint)
     return model.to(get_device(device)).eval(), checkpoint
@@ -239,11 +300,16 @@ def checkpoint_path(directory, step: int) -> Path:
 
 
 def list_checkpoints(directory) -> list[Path]:
-    """The checkpoints ``step_*.pt`` in ``directory``, oldest step first (intact or not)."""
+    """The checkpoints ``step_*.pt`` in ``directory``, oldest step first (intact or
+    not)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := CHECKPOINT_NAME.match(p.name))]
+    found = [
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if (m := CHECKPOINT_NAME.match(p.name))
+    ]
     return [path for _, path in sorted(found)]
 
 
@@ -256,7 +322,11 @@ def latest_checkpoint(directory, *, intact: bool = False) -> Path | None:
 def clean_leftovers(directory) -> list[Path]:
     """Remove, with a warning, the temporary files of killed writes (LEFTOVER_NAME)."""
     directory = Path(directory)
-    found = sorted(p for p in directory.iterdir() if LEFTOVER_NAME.match(p.name)) if directory.is_dir() else []
+    found = (
+        sorted(p for p in directory.iterdir() if LEFTOVER_NAME.match(p.name))
+        if directory.is_dir()
+        else []
+    )
     for path in found:
         path.unlink(missing_ok=True)
     if found:
@@ -273,14 +343,17 @@ def checkpoint_problem(path) -> str | None:
         if VERIFIED.get(path.resolve()) == file_stamp(path):
             return None
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a checkpoint of format 1 is readable; that is all we ask here
+            # a checkpoint of format 1 is readable; that is all we ask here
+            warnings.simplefilter("ignore")
             load_checkpoint(path)
     except (CheckpointError, FileNotFoundError) as error:
         return str(error)
     return None
 
 
-def load_latest_checkpoint(directory, map_location="cpu", *, warn: bool = True) -> tuple[Path | None, dict | None]:
+def load_latest_checkpoint(
+    directory, map_location="cpu", *, warn: bool = True
+) -> tuple[Path | None, dict | None]:
     """(path, content) of the newest intact checkpoint of ``directory``, or (None,
     None); damaged newer ones are skipped (``warn``: say so); none intact: an error."""
     found, damaged = list_checkpoints(directory), []
@@ -291,11 +364,18 @@ def load_latest_checkpoint(directory, map_location="cpu", *, warn: bool = True) 
             damaged.append(str(error))
             continue
         if damaged and warn:
-            warnings.warn(f"skipped {len(damaged)} damaged checkpoint(s) and used {path} instead: "
-                          + "; ".join(damaged), stacklevel=2)
+            warnings.warn(
+                f"skipped {len(damaged)} damaged checkpoint(s) and used {path} "
+                "instead: "
+                + "; ".join(damaged),
+                stacklevel=2,
+            )
         return path, checkpoint
     if damaged:
-        raise CheckpointError(f"none of the {len(found)} checkpoint(s) in {directory} is intact: " + "; ".join(damaged))
+        raise CheckpointError(
+            f"none of the {len(found)} checkpoint(s) in {directory} is intact: "
+            + "; ".join(damaged)
+        )
     return None, None
 
 
@@ -321,15 +401,21 @@ def check_run_folder(directory, config: dict | None, *, resume=False) -> Path:
     without a run's files for a new run, or agreeing with ``config`` when resumed."""
     folder = Path(directory)
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"{folder} is a file, not a folder: checkpoints need a folder of their own")
+        raise ValueError(
+            f"{folder} is a file, not a folder: checkpoints need a folder of their own"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-test.", suffix=".tmp")
+        handle, probe = tempfile.mkstemp(
+            dir=folder, prefix=".write-test.", suffix=".tmp"
+        )
         os.close(handle)
         Path(probe).unlink(missing_ok=True)
     except OSError as error:
-        raise ValueError(f"cannot write checkpoints to {folder}: creating it, or a file in it, failed "
-                         f"({error.strerror or error})") from error
+        raise ValueError(
+            f"cannot write checkpoints to {folder}: creating it, or a file in it, "
+            f"failed ({error.strerror or error})"
+        ) from error
     if config is None:
         return folder
     found = list_checkpoints(folder)
@@ -348,11 +434,20 @@ def check_run_folder(directory, config: dict | None, *, resume=False) -> Path:
         return folder
     path, checkpoint = load_latest_checkpoint(folder, warn=False)
     stored = {**checkpoint["config"], **(checkpoint["extra"] or {}).get("settings", {})}
-    keys = [key for key in config_difference(stored, config) if key in stored and key in config]
+    keys = [
+        key
+        for key in config_difference(stored, config)
+        if key in stored and key in config
+    ]
     if keys:
-        details = ", ".join(f"{key} (checkpoint {stored[key]!r}, this run {config[key]!r})" for key in keys)
-        raise ValueError(f"{folder} holds a run with other settings ({path.name}): {details}; resume with the "
-                         "same settings, or use another folder")
+        details = ", ".join(
+            f"{key} (checkpoint {stored[key]!r}, this run {config[key]!r})"
+            for key in keys
+        )
+        raise ValueError(
+            f"{folder} holds a run with other settings ({path.name}): {details}; "
+            "resume with the same settings, or use another folder"
+        )
     return folder
 
 
@@ -404,17 +499,27 @@ def average_checkpoints(paths: Sequence) -> dict:
     if not paths:
         raise ValueError("paths must name at least one checkpoint")
     last = first = load_checkpoint(paths[0])
-    sums = {key: value.double() if value.is_floating_point() else value for key, value in first["model"].items()}
+    sums = {
+        key: value.double() if value.is_floating_point() else value
+        for key, value in first["model"].items()
+    }
     for path in paths[1:]:
         last = load_checkpoint(path)
         keys = config_difference(first["config"], last["config"])
         if keys:
-            raise ValueError(f"{path} has another configuration than {paths[0]}: differs in {', '.join(keys)}")
+            raise ValueError(
+                f"{path} has another configuration than {paths[0]}: differs in "
+                f"{', '.join(keys)}"
+            )
         if set(last["model"]) != set(sums):
             raise ValueError(f"{path} has other parameter names than {paths[0]}")
         for key, value in last["model"].items():
-            sums[key] = sums[key] + value.double() if value.is_floating_point() else value
+            sums[key] = (
+                sums[key] + value.double() if value.is_floating_point() else value
+            )
     return {
-        key: (sums[key] / len(paths)).to(value.dtype) if value.is_floating_point() else value
+        key: (sums[key] / len(paths)).to(value.dtype)
+        if value.is_floating_point()
+        else value
         for key, value in last["model"].items()
     }

@@ -21,7 +21,8 @@ from annotated_transformer.download import (check_places, decode_lines, error_li
 
 
 def checked(kind, allowed, expected: str):
-    """An argparse ``type``: ``kind(text)`` if ``allowed``, else an error saying what was ``expected``."""
+    """An argparse ``type``: ``kind(text)`` if ``allowed``, else an error saying what
+    was ``expected``."""
     def parse(text: str):
         with contextlib.suppress(ValueError):
             if allowed(value := kind(text)):
@@ -31,15 +32,23 @@ def checked(kind, allowed, expected: str):
 
 
 def at_least(low: int):
-    return checked(int, lambda value: value >= low, "a positive integer" if low == 1 else f"an integer >= {low}")
+    return checked(
+        int,
+        lambda value: value >= low,
+        "a positive integer" if low == 1 else f"an integer >= {low}",
+    )
 
 
 positive_int, non_negative_int = at_least(1), at_least(0)
 MOST_STEPS = 10**9  # years of training on one GPU: a larger count is a typo
 step_count = checked(int, lambda value: 1 <= value <= MOST_STEPS,
                      f"a positive integer up to {MOST_STEPS:,}")
-positive_number = checked(float, lambda value: math.isfinite(value) and value > 0, "a positive finite number")
-non_negative_number = checked(float, lambda value: math.isfinite(value) and value >= 0, "a finite number >= 0")
+positive_number = checked(
+    float, lambda value: math.isfinite(value) and value > 0, "a positive finite number"
+)
+non_negative_number = checked(
+    float, lambda value: math.isfinite(value) and value >= 0, "a finite number >= 0"
+)
 probability = checked(float, lambda value: 0 <= value < 1, "a probability in [0, 1)")
 seed_int = checked(int, lambda value: 0 <= value < 2**32, "an integer in [0, 2**32)")
 alpha = checked(float, lambda value: 0 <= value <= 10, "a length penalty in [0, 10]")
@@ -49,7 +58,8 @@ thread_count = checked(int, lambda value: 1 <= value <= MOST_THREADS,
 
 
 def device(text: str) -> str:
-    """An argparse ``type``: a device this machine has, as the runtime's ``get_device`` sees it."""
+    """An argparse ``type``: a device this machine has, as the runtime's ``get_device``
+    sees it."""
     from annotated_transformer.runtime import get_device
 
     try:
@@ -60,22 +70,34 @@ def device(text: str) -> str:
 
 
 class Choices:
-    """An option's values, read from ``annotated_transformer.<module>.<name>`` only when argparse needs them."""
+    """An option's values, read from ``annotated_transformer.<module>.<name>`` only when
+    argparse needs them."""
 
     def __init__(self, module: str, name: str, *, sort: bool = False):
         self.module, self.name, self.sort = module, name, sort
 
     def __iter__(self):
-        values = getattr(importlib.import_module(f"annotated_transformer.{self.module}"), self.name)
-        return iter(sorted(values) if self.sort else values)  # and `in` looks through them
+        values = getattr(
+            importlib.import_module(f"annotated_transformer.{self.module}"), self.name
+        )
+        # and `in` looks through them
+        return iter(sorted(values) if self.sort else values)
 
 
 def add_tangle(subparsers) -> None:
-    parser = subparsers.add_parser("tangle", help="regenerate (or --check) the package from the book",
-                                   description="Tangle the book's chapters into the annotated_transformer package.")
+    parser = subparsers.add_parser(
+        "tangle",
+        help="regenerate (or --check) the package from the book",
+        description=(
+            "Tangle the book's chapters into the annotated_transformer package."
+        ),
+    )
     parser.add_argument("--root", help="the repository (default: found automatically)")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 naming every stale, missing or orphan module")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 naming every stale, missing or orphan module",
+    )
     parser.set_defaults(run=run_tangle)
 
 
@@ -86,36 +108,112 @@ def run_tangle(args) -> int:
 
 
 def add_train(subparsers) -> None:
-    parser = subparsers.add_parser("train", help=COMMANDS["train"][0], description=(
-        "Train a Transformer. Sizes left out come from the profile. Run under torchrun (torchrun --nproc-per-node=N "
-        "-m annotated_transformer train ...) to train on several GPUs with DistributedDataParallel."))
-    parser.add_argument("--task", choices=["copy", "multi30k"], default="copy",
-                        help="what to train: 'copy' copies random sequences; 'multi30k' is the German-to-English "
-                             "translator of the translation chapter (default: copy)")
-    parser.add_argument("--profile", choices=["quick", "laptop", "full", "auto"], default=None,
-                        help="sizes: quick (a CPU, about a minute), laptop (--task multi30k only: a real translator "
-                             "on a laptop CPU), full (a GPU) or auto (full with CUDA); default: AT_PROFILE")
+    parser = subparsers.add_parser(
+        "train",
+        help=COMMANDS["train"][0],
+        description=(
+            "Train a Transformer. Sizes left out come from the profile. Run under "
+            "torchrun (torchrun --nproc-per-node=N -m annotated_transformer train ...) "
+            "to train on several GPUs with DistributedDataParallel."
+        ),
+    )
+    parser.add_argument(
+        "--task",
+        choices=["copy", "multi30k"],
+        default="copy",
+        help=(
+            "what to train: 'copy' copies random sequences; 'multi30k' is the "
+            "German-to-English translator of the translation chapter (default: copy)"
+        ),
+    )
+    parser.add_argument(
+        "--profile",
+        choices=["quick", "laptop", "full", "auto"],
+        default=None,
+        help=(
+            "sizes: quick (a CPU, about a minute), laptop (--task multi30k only: a "
+            "real translator on a laptop CPU), full (a GPU) or auto (full with CUDA); "
+            "default: AT_PROFILE"
+        ),
+    )
     parser.add_argument("--steps", type=step_count,
                         help="optimiser steps in total (default: by profile)")
-    parser.add_argument("--accumulation-steps", type=positive_int, help="micro-batches per optimiser step (default: 1)")
-    parser.add_argument("--layers", type=positive_int, help="encoder and decoder layers N (default: by profile)")
-    parser.add_argument("--d-model", type=positive_int, help="model width d_model (default: by profile)")
-    parser.add_argument("--d-ff", type=positive_int, help="inner size of the feed-forward layers (default: by profile)")
-    parser.add_argument("--heads", type=positive_int, help="attention heads h (default: by profile)")
-    parser.add_argument("--dropout", type=probability, help="residual dropout probability (default: by profile)")
+    parser.add_argument(
+        "--accumulation-steps",
+        type=positive_int,
+        help="micro-batches per optimiser step (default: 1)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=positive_int,
+        help="encoder and decoder layers N (default: by profile)",
+    )
+    parser.add_argument(
+        "--d-model", type=positive_int, help="model width d_model (default: by profile)"
+    )
+    parser.add_argument(
+        "--d-ff",
+        type=positive_int,
+        help="inner size of the feed-forward layers (default: by profile)",
+    )
+    parser.add_argument(
+        "--heads", type=positive_int, help="attention heads h (default: by profile)"
+    )
+    parser.add_argument(
+        "--dropout",
+        type=probability,
+        help="residual dropout probability (default: by profile)",
+    )
     parser.add_argument("--warmup", type=step_count,
                         help="warm-up steps of the schedule (default: by profile)")
-    parser.add_argument("--factor", type=positive_number, help="schedule factor (default: 0.5 copy, else by profile)")
-    parser.add_argument("--smoothing", type=probability, help="label smoothing (default: 0 copy, else by profile)")
-    parser.add_argument("--clip-norm", type=positive_number, help="clip the gradient norm to this value (default: off)")
+    parser.add_argument(
+        "--factor",
+        type=positive_number,
+        help="schedule factor (default: 0.5 copy, else by profile)",
+    )
+    parser.add_argument(
+        "--smoothing",
+        type=probability,
+        help="label smoothing (default: 0 copy, else by profile)",
+    )
+    parser.add_argument(
+        "--clip-norm",
+        type=positive_number,
+        help="clip the gradient norm to this value (default: off)",
+    )
     parser.add_argument("--seed", type=seed_int, help="random seed (default: 0)")
-    parser.add_argument("--device", type=device, help="cpu, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)")
-    parser.add_argument("--checkpoint-dir", help="folder for checkpoints step_*.pt (default: none)")
-    parser.add_argument("--checkpoint-every", type=positive_int,
-                        help="a checkpoint every N steps and at the end (default: at the end; multi30k: by profile)")
-    parser.add_argument("--keep-last", type=non_negative_int, help="copy task: checkpoints kept (default 5, 0 = all)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    parser.add_argument(
+        "--device",
+        type=device,
+        help="cpu, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir", help="folder for checkpoints step_*.pt (default: none)"
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        help=(
+            "a checkpoint every N steps and at the end (default: at the end; multi30k: "
+            "by profile)"
+        ),
+    )
+    parser.add_argument(
+        "--keep-last",
+        type=non_negative_int,
+        help="copy task: checkpoints kept (default 5, 0 = all)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir",
+    )
+    parser.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="hide the progress bar",
+    )
     amp = parser.add_argument_group("precision", "default: by the device: bf16 "
                                     "autocast on GPUs of compute capability 8.0+, fp16 "
                                     "with loss scaling below; fp32 on a CPU or MPS")
@@ -125,10 +223,22 @@ def add_train(subparsers) -> None:
                         help="torch.compile the model and the loss (default: off)")
     amp.add_argument("--amp-dtype", choices=Choices("runtime", "AMP_TYPES"),
                      help="the autocast type (implies --amp; fp16 is refused on a CPU)")
-    group = parser.add_argument_group("copy", "settings of --task copy; left out: the profile's values")
-    group.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch (default: 128)")
-    group.add_argument("--vocab", type=at_least(3), help="vocabulary size; 0 is padding, 1 the start (default: 11)")
-    group.add_argument("--seq-len", type=at_least(2), help="sequence length (default: 10)")
+    group = parser.add_argument_group(
+        "copy", "settings of --task copy; left out: the profile's values"
+    )
+    group.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help="sequences per micro-batch (default: 128)",
+    )
+    group.add_argument(
+        "--vocab",
+        type=at_least(3),
+        help="vocabulary size; 0 is padding, 1 the start (default: 11)",
+    )
+    group.add_argument(
+        "--seq-len", type=at_least(2), help="sequence length (default: 10)"
+    )
     add_translation_train_options(parser)
     parser.set_defaults(run=run_train)
 
@@ -136,16 +246,27 @@ def add_train(subparsers) -> None:
 EVERY_TASK = {"command", "run", "task", "profile", "device", "amp", "amp_dtype",
               "checkpoint_dir", "resume", "progress", "compile"}
 OPTION_OF = {"N": "layers", "h": "heads"}  # the settings whose option has another name
-INSTEAD = {"batch_size": " (use --max-tokens)", "keep_last": " (it keeps --average)"}  # for --task multi30k
+# for --task multi30k
+INSTEAD = {"batch_size": " (use --max-tokens)", "keep_last": " (it keeps --average)"}
 
 
 def task_settings(args, settings, *, also=()) -> dict:
-    """{setting: its option's value} for a task's ``settings``; refuse the given options the task would not use."""
+    """{setting: its option's value} for a task's ``settings``; refuse the given options
+    the task would not use."""
     options = {OPTION_OF.get(name, name): name for name in settings}
-    unused = [k for k, v in vars(args).items() if v is not None and k not in {*options, *EVERY_TASK, *also}]
+    unused = [
+        k
+        for k, v in vars(args).items()
+        if v is not None and k not in {*options, *EVERY_TASK, *also}
+    ]
     if unused:
-        names = ", ".join("--" + name.replace("_", "-") + INSTEAD.get(name, "") for name in unused)
-        raise ValueError(f"--task {args.task} does not use {names}: leave {'them' if unused[1:] else 'it'} out")
+        names = ", ".join(
+            "--" + name.replace("_", "-") + INSTEAD.get(name, "") for name in unused
+        )
+        raise ValueError(
+            f"--task {args.task} does not use {names}: leave "
+            f"{'them' if unused[1:] else 'it'} out"
+        )
     return {name: getattr(args, option) for option, name in options.items()}
 
 
@@ -153,7 +274,9 @@ def run_train(args) -> int:
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):  # torchrun's; a user may set them
         if not os.environ.get(name, "0").isdigit():
             raise ValueError(f"${name} must be a whole number: {os.environ[name]!r}")
-    return run_translation_train(args) if args.task == "multi30k" else run_copy_train(args)
+    return (
+        run_translation_train(args) if args.task == "multi30k" else run_copy_train(args)
+    )
 
 
 def amp_choice(args):
@@ -171,25 +294,48 @@ def run_copy_train(args) -> int:
     from annotated_transformer.checkpoints import latest_checkpoint
     from annotated_transformer.decoding import copy_accuracy
     from annotated_transformer.positional import PositionalEncoding
-    from annotated_transformer.trainer import CopyConfig, copy_config, distributed_context, train_copy_task
+    from annotated_transformer.trainer import (
+        CopyConfig,
+        copy_config,
+        distributed_context,
+        train_copy_task,
+    )
 
-    saving = {k: v for k, v in vars(args).items() if k in ("checkpoint_every", "keep_last") and v is not None}
-    settings = task_settings(args, [field.name for field in fields(CopyConfig)], also=saving)
+    saving = {
+        k: v
+        for k, v in vars(args).items()
+        if k in ("checkpoint_every", "keep_last") and v is not None
+    }
+    settings = task_settings(
+        args, [field.name for field in fields(CopyConfig)], also=saving
+    )
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir")
     if args.profile == "laptop":
-        raise ValueError("--profile laptop is a profile of --task multi30k; the copy task has quick and full")
+        raise ValueError(
+            "--profile laptop is a profile of --task multi30k; the copy task has quick "
+            "and full"
+        )
     config = copy_config(args.profile, **settings)
     if config.seq_len > (positions := PositionalEncoding.__init__.__defaults__[-1]):
         raise ValueError(f"--seq-len {config.seq_len} is beyond the positional table "
                          f"({positions} positions): give at most {positions}")
-    model, history = train_copy_task(config, device=args.device, amp=amp_choice(args),
-                                     compile=bool(args.compile),
-                                     checkpoint_dir=args.checkpoint_dir,
-                                     resume=args.resume, progress=args.progress, **saving)
+    model, history = train_copy_task(
+        config,
+        device=args.device,
+        amp=amp_choice(args),
+        compile=bool(args.compile),
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+        progress=args.progress,
+        **saving,
+    )
     if distributed_context()[0] == 0:
         if history["loss"]:
-            print(f"steps: {history['step'][-1]}, final loss per token: {history['loss'][-1]:.4f}")
+            print(
+                f"steps: {history['step'][-1]}, final loss per token: "
+                f"{history['loss'][-1]:.4f}"
+            )
         accuracy = copy_accuracy(model, vocab=config.vocab, seq_len=config.seq_len)
         print(f"copy exact-match (greedy, 1000 held-out sequences): {accuracy:.1%}")
         if args.checkpoint_dir is not None:
@@ -200,32 +346,85 @@ def run_copy_train(args) -> int:
 
 
 def add_translation_train_options(parser) -> None:
-    """The options of ``train --task multi30k``: the settings of ``TranslationConfig`` the copy task lacks."""
-    group = parser.add_argument_group("multi30k", "settings of --task multi30k; left out: the profile's values")
-    group.add_argument("--vocab-size", type=positive_int, help="pieces in the joint SentencePiece vocabulary")
-    group.add_argument("--train-limit", type=positive_int, help="train on the first N training pairs only")
-    group.add_argument("--max-len", type=positive_int, help="leave out training pairs longer than this many pieces")
-    group.add_argument("--attention-dropout", type=probability, help="dropout on the attention weights")
-    group.add_argument("--activation-dropout", type=probability, help="dropout inside the feed-forward networks")
-    group.add_argument("--norm-first", action=argparse.BooleanOptionalAction, help="pre-norm, or the paper's post-norm")
-    group.add_argument("--embedding-init", choices=Choices("model", "EMBEDDING_INITS"),
-                       help="the embedding table's initialisation: N(0, 1/d_model) or Xavier")
-    group.add_argument("--max-tokens", type=positive_int, help="padded tokens per side in a micro-batch")
-    group.add_argument("--average", type=positive_int, help="average the last N checkpoints")
-    group.add_argument("--eval-every", type=positive_int, help="validation loss every N steps, at checkpoints")
-    group.add_argument("--valid-limit", type=positive_int, help="validation loss on the first N validation pairs only")
-    group.add_argument("--test-limit", type=positive_int, help="BLEU on the first N test pairs only")
-    group.add_argument("--beam-size", type=positive_int, help="beam size for the final evaluation")
+    """The options of ``train --task multi30k``: the settings of ``TranslationConfig``
+    the copy task lacks."""
+    group = parser.add_argument_group(
+        "multi30k", "settings of --task multi30k; left out: the profile's values"
+    )
+    group.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        help="pieces in the joint SentencePiece vocabulary",
+    )
+    group.add_argument(
+        "--train-limit",
+        type=positive_int,
+        help="train on the first N training pairs only",
+    )
+    group.add_argument(
+        "--max-len",
+        type=positive_int,
+        help="leave out training pairs longer than this many pieces",
+    )
+    group.add_argument(
+        "--attention-dropout", type=probability, help="dropout on the attention weights"
+    )
+    group.add_argument(
+        "--activation-dropout",
+        type=probability,
+        help="dropout inside the feed-forward networks",
+    )
+    group.add_argument(
+        "--norm-first",
+        action=argparse.BooleanOptionalAction,
+        help="pre-norm, or the paper's post-norm",
+    )
+    group.add_argument(
+        "--embedding-init",
+        choices=Choices("model", "EMBEDDING_INITS"),
+        help="the embedding table's initialisation: N(0, 1/d_model) or Xavier",
+    )
+    group.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        help="padded tokens per side in a micro-batch",
+    )
+    group.add_argument(
+        "--average", type=positive_int, help="average the last N checkpoints"
+    )
+    group.add_argument(
+        "--eval-every",
+        type=positive_int,
+        help="validation loss every N steps, at checkpoints",
+    )
+    group.add_argument(
+        "--valid-limit",
+        type=positive_int,
+        help="validation loss on the first N validation pairs only",
+    )
+    group.add_argument(
+        "--test-limit", type=positive_int, help="BLEU on the first N test pairs only"
+    )
+    group.add_argument(
+        "--beam-size", type=positive_int, help="beam size for the final evaluation"
+    )
     group.add_argument("--length-penalty", type=alpha, help="beam search's alpha")
-    group.add_argument("--sweep", action=argparse.BooleanOptionalAction, help="also tune beam size and alpha on valid")
+    group.add_argument(
+        "--sweep",
+        action=argparse.BooleanOptionalAction,
+        help="also tune beam size and alpha on valid",
+    )
     group.add_argument("--results", help="write the results (JSON) to this file")
 
 
 def translation_config_from_args(args):
-    """The ``TranslationConfig`` that parsed ``train --task multi30k`` arguments ask for."""
+    """The ``TranslationConfig`` that parsed ``train --task multi30k`` arguments ask
+    for."""
     from annotated_transformer.translation import SETTINGS, translation_config
 
-    return translation_config(args.profile, **task_settings(args, SETTINGS, also=["results"]))
+    return translation_config(
+        args.profile, **task_settings(args, SETTINGS, also=["results"])
+    )
 
 
 def run_translation_train(args) -> int:
@@ -234,57 +433,136 @@ def run_translation_train(args) -> int:
 
     config = translation_config_from_args(args)
     if args.checkpoint_dir is None:
-        raise ValueError("--task multi30k needs --checkpoint-dir: its checkpoints, tokenizer and average.pt go there")
-    _, trained = record_experiment(config, args.checkpoint_dir, results_path=args.results, device=args.device,
-                                   amp=amp_choice(args), resume=args.resume,
-                                   compile=bool(args.compile),
-                                   progress=args.progress, command=command_line())
+        raise ValueError(
+            "--task multi30k needs --checkpoint-dir: its checkpoints, tokenizer and "
+            "average.pt go there"
+        )
+    _, trained = record_experiment(
+        config,
+        args.checkpoint_dir,
+        results_path=args.results,
+        device=args.device,
+        amp=amp_choice(args),
+        resume=args.resume,
+        compile=bool(args.compile),
+        progress=args.progress,
+        command=command_line(),
+    )
     print(f"averaged model (translate with it): {trained['checkpoint']}")
     return 0
 
 
 def add_bench(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help=COMMANDS["bench"][0], description=(
-        "Benchmark the package: training against nn.Transformer, attention, decoding, Table 1's layers."))
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: a fast check that everything runs")
+    parser = subparsers.add_parser(
+        "bench",
+        help=COMMANDS["bench"][0],
+        description=(
+            "Benchmark the package: training against nn.Transformer, attention, "
+            "decoding, Table 1's layers."
+        ),
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes: a fast check that everything runs",
+    )
     parser.add_argument("--device", type=device,
                         help="cpu, cuda:1, mps or auto (default: AT_DEVICE or auto)")
-    parser.add_argument("--only", nargs="+", choices=Choices("bench", "SECTIONS"), metavar="SECTION",
-                        help="run only these sections (%(choices)s; default: all)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=Choices("bench", "SECTIONS"),
+        metavar="SECTION",
+        help="run only these sections (%(choices)s; default: all)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also save the results as JSON")
     parser.add_argument("--threads", type=thread_count, help="CPU threads for PyTorch")
     parser.add_argument("--compile", action="store_true",
                         help="also time both models compiled, in the training section")
     timing = parser.add_argument_group("timing")
-    timing.add_argument("--clock", choices=Choices("measure", "CLOCKS", sort=True), default="wall",
-                        help="wall: elapsed time (default); cpu: the process's CPU time, steadier on a busy machine "
-                             "(CPU device, one thread)")
+    timing.add_argument(
+        "--clock",
+        choices=Choices("measure", "CLOCKS", sort=True),
+        default="wall",
+        help=(
+            "wall: elapsed time (default); cpu: the process's CPU time, steadier on a "
+            "busy machine (CPU device, one thread)"
+        ),
+    )
     parser.set_defaults(run=run_bench)
 
 
 def run_bench(args) -> int:
     from annotated_transformer.bench import SECTIONS, run
 
-    return run(smoke=args.smoke, device=args.device, sections=args.only or SECTIONS, json_path=args.json,
-               threads=args.threads, compile=args.compile, clock=args.clock)
+    return run(
+        smoke=args.smoke,
+        device=args.device,
+        sections=args.only or SECTIONS,
+        json_path=args.json,
+        threads=args.threads,
+        compile=args.compile,
+        clock=args.clock,
+    )
 
 
 def add_translate(subparsers) -> None:
     help_line = COMMANDS["translate"][0]
-    parser = subparsers.add_parser("translate", help=help_line, description=(
-        "Read one sentence per line (from --input or standard input) and write one translation per line to standard "
-        "output; an empty line gives an empty line. For a copy-task checkpoint a sentence is token ids: '3 4 5'."))
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by the train command")
-    parser.add_argument("--input", default=None, help="a file with one sentence per line (default: standard input)")
-    parser.add_argument("--device", type=device, help="cpu, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)")
+    parser = subparsers.add_parser(
+        "translate",
+        help=help_line,
+        description=(
+            "Read one sentence per line (from --input or standard input) and write one "
+            "translation per line to standard output; an empty line gives an empty "
+            "line. For a copy-task checkpoint a sentence is token ids: '3 4 5'."
+        ),
+    )
+    parser.add_argument(
+        "--checkpoint", required=True, help="a checkpoint written by the train command"
+    )
+    parser.add_argument(
+        "--input",
+        default=None,
+        help="a file with one sentence per line (default: standard input)",
+    )
+    parser.add_argument(
+        "--device",
+        type=device,
+        help="cpu, cuda:1, mps... (default: AT_DEVICE, else CUDA, MPS, CPU)",
+    )
     decoding = parser.add_argument_group("decoding")
-    decoding.add_argument("--beam-size", type=positive_int, default=4, help="beam size; 1 is greedy (default: 4)")
-    decoding.add_argument("--max-len", type=at_least(2), help="longest output, start symbol counted (default: by task)")
-    decoding.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded at once (default: 32)")
-    decoding.add_argument("--length-penalty", type=alpha, default=0.6,
-                          help="alpha of the length penalty (default: 0.6, as in the paper)")
-    decoding.add_argument("--penalty", choices=Choices("beam_search", "LENGTH_PENALTIES"), default="gnmt",
-                          help="length penalty: gnmt ((5+|Y|)/6)^alpha, simple |Y|^alpha, none (default: gnmt)")
+    decoding.add_argument(
+        "--beam-size",
+        type=positive_int,
+        default=4,
+        help="beam size; 1 is greedy (default: 4)",
+    )
+    decoding.add_argument(
+        "--max-len",
+        type=at_least(2),
+        help="longest output, start symbol counted (default: by task)",
+    )
+    decoding.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=32,
+        help="sentences decoded at once (default: 32)",
+    )
+    decoding.add_argument(
+        "--length-penalty",
+        type=alpha,
+        default=0.6,
+        help="alpha of the length penalty (default: 0.6, as in the paper)",
+    )
+    decoding.add_argument(
+        "--penalty",
+        choices=Choices("beam_search", "LENGTH_PENALTIES"),
+        default="gnmt",
+        help=(
+            "length penalty: gnmt ((5+|Y|)/6)^alpha, simple |Y|^alpha, none (default: "
+            "gnmt)"
+        ),
+    )
     parser.set_defaults(run=run_translate)
 
 
@@ -301,9 +579,19 @@ def run_translate(args) -> int:
     lines = (read_stream(args.input, read_lines) if args.input is not None
              else decode_lines(sys.stdin.buffer, "standard input"))
     if not lines:
-        raise ValueError(f"{args.input or 'standard input'} is empty: there is nothing to translate")
-    outputs = translate_lines(model, tokenizer, lines, beam_size=args.beam_size, max_len=args.max_len,
-                              batch_size=args.batch_size, length_penalty=args.length_penalty, penalty=args.penalty)
+        raise ValueError(
+            f"{args.input or 'standard input'} is empty: there is nothing to translate"
+        )
+    outputs = translate_lines(
+        model,
+        tokenizer,
+        lines,
+        beam_size=args.beam_size,
+        max_len=args.max_len,
+        batch_size=args.batch_size,
+        length_penalty=args.length_penalty,
+        penalty=args.penalty,
+    )
     sys.stdout.writelines(output + "\n" for output in outputs)
     sys.stdout.flush()
     return 0
@@ -311,22 +599,64 @@ def run_translate(args) -> int:
 
 def add_evaluate(subparsers) -> None:
     help_line = COMMANDS["evaluate"][0]
-    parser = subparsers.add_parser("evaluate", help=help_line, description=(
-        "Translate a Multi30k split, or any German-English parallel test set (--source and --reference), with a "
-        "checkpoint of 'train --task multi30k'; print corpus BLEU (detokenised, cased) and lower-cased BLEU, each "
-        "with its sacreBLEU signature."))
-    parser.add_argument("--checkpoint", required=True, help="a translation checkpoint (average.pt, or step_*.pt)")
-    parser.add_argument("--beam-size", type=positive_int, default=1, help="1 for greedy search (default: 1)")
+    parser = subparsers.add_parser(
+        "evaluate",
+        help=help_line,
+        description=(
+            "Translate a Multi30k split, or any German-English parallel test set "
+            "(--source and --reference), with a checkpoint of 'train --task multi30k'; "
+            "print corpus BLEU (detokenised, cased) and lower-cased BLEU, each with "
+            "its sacreBLEU signature."
+        ),
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a translation checkpoint (average.pt, or step_*.pt)",
+    )
+    parser.add_argument(
+        "--beam-size",
+        type=positive_int,
+        default=1,
+        help="1 for greedy search (default: 1)",
+    )
     parser.add_argument("--length-penalty", type=alpha, default=0.6, help="alpha (0.6)")
-    parser.add_argument("--batch-size", type=positive_int, default=100, help="sentences at once (default: 100)")
-    parser.add_argument("--device", type=device, help="cpu, cuda, mps... (default: AT_DEVICE, else the best)")
-    parser.add_argument("--output", help="also write the translations to this file, one per line")
-    test_set = parser.add_argument_group("test set", "a Multi30k split, or two files of parallel sentences")
-    test_set.add_argument("--split", choices=Choices("data", "SPLITS", sort=True), default=None,
-                          help="valid, test (the 2016 Flickr test set) or train (default: test)")
-    test_set.add_argument("--source", help="a German text file, one sentence a line (plain or .gz); needs --reference")
-    test_set.add_argument("--reference", help="its English reference translations, line by line (plain or .gz)")
-    test_set.add_argument("--limit", type=positive_int, help="score the first N pairs only (default: all)")
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=100,
+        help="sentences at once (default: 100)",
+    )
+    parser.add_argument(
+        "--device",
+        type=device,
+        help="cpu, cuda, mps... (default: AT_DEVICE, else the best)",
+    )
+    parser.add_argument(
+        "--output", help="also write the translations to this file, one per line"
+    )
+    test_set = parser.add_argument_group(
+        "test set", "a Multi30k split, or two files of parallel sentences"
+    )
+    test_set.add_argument(
+        "--split",
+        choices=Choices("data", "SPLITS", sort=True),
+        default=None,
+        help="valid, test (the 2016 Flickr test set) or train (default: test)",
+    )
+    test_set.add_argument(
+        "--source",
+        help=(
+            "a German text file, one sentence a line (plain or .gz); needs --reference"
+        ),
+    )
+    test_set.add_argument(
+        "--reference",
+        help="its English reference translations, line by line (plain or .gz)",
+    )
+    test_set.add_argument(
+        "--limit", type=positive_int, help="score the first N pairs only (default: all)"
+    )
     parser.set_defaults(run=run_evaluate)
 
 
@@ -336,7 +666,10 @@ def run_evaluate(args) -> int:
     from annotated_transformer.translation import evaluate_bleu, load_translator
 
     if (args.source is None) != (args.reference is None):
-        raise ValueError("--source and --reference go together: give both files, or neither (for --split)")
+        raise ValueError(
+            "--source and --reference go together: give both files, or neither (for "
+            "--split)"
+        )
     if args.source is not None and args.split is not None:
         raise ValueError("give either --split or --source and --reference, not both")
     pairs = (None if args.source is None
@@ -344,33 +677,72 @@ def run_evaluate(args) -> int:
     model, tokenizer, _ = load_translator(args.checkpoint, args.device)
     name = Path(args.source).name if args.source is not None else args.split or "test"
     pairs = (load_split(name) if pairs is None else pairs)[: args.limit]
-    scores = evaluate_bleu(model, tokenizer, pairs, beam_size=args.beam_size, length_penalty=args.length_penalty,
-                           batch_size=args.batch_size)
-    search = "greedy" if args.beam_size == 1 else f"beam {args.beam_size}, alpha {args.length_penalty}"
-    print(f"{name} ({len(pairs)} sentences, {search}): BLEU {scores['bleu']:.2f}  {scores['signature']}")
-    print(f"lower-cased BLEU {scores['bleu_lowercase']:.2f}  {scores['signature_lowercase']}")
+    scores = evaluate_bleu(
+        model,
+        tokenizer,
+        pairs,
+        beam_size=args.beam_size,
+        length_penalty=args.length_penalty,
+        batch_size=args.batch_size,
+    )
+    search = (
+        "greedy"
+        if args.beam_size == 1
+        else f"beam {args.beam_size}, alpha {args.length_penalty}"
+    )
+    print(
+        f"{name} ({len(pairs)} sentences, {search}): BLEU {scores['bleu']:.2f}  "
+        f"{scores['signature']}"
+    )
+    print(
+        f"lower-cased BLEU {scores['bleu_lowercase']:.2f}  "
+        f"{scores['signature_lowercase']}"
+    )
     if args.output:
-        write_atomically(args.output, lambda out: out.writelines(h + "\n" for h in scores["hypotheses"]), mode="w")
+        write_atomically(
+            args.output,
+            lambda out: out.writelines(h + "\n" for h in scores["hypotheses"]),
+            mode="w",
+        )
     return 0
 
 
 COMMANDS = {
     "tangle": ("regenerate (or --check) the package from the book", add_tangle),
     "train": ("train a model (tasks: copy, multi30k)", add_train),
-    "translate": ("translate sentences with a trained model (greedy or beam search)", add_translate),
-    "evaluate": ("BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split or a parallel test set", add_evaluate),
-    "bench": ("benchmark training, attention, decoding and the layers of Table 1", add_bench),
+    "translate": (
+        "translate sentences with a trained model (greedy or beam search)",
+        add_translate,
+    ),
+    "evaluate": (
+        "BLEU (sacreBLEU) of a translation checkpoint on a Multi30k split or a "
+        "parallel test set",
+        add_evaluate,
+    ),
+    "bench": (
+        "benchmark training, attention, decoding and the layers of Table 1",
+        add_bench,
+    ),
 }
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The command line's parser; with ``only`` (a name, or "" for none) the others get their help line, no options."""
+    """The command line's parser; with ``only`` (a name, or "" for none) the others get
+    their help line, no options."""
     parser = argparse.ArgumentParser(
         prog="python -m annotated_transformer",
-        description="The Annotated Transformer: tangle the book, train, translate and evaluate.",
+        description=(
+            "The Annotated Transformer: tangle the book, train, translate and evaluate."
+        ),
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=lambda **kwargs:
-                                       argparse.ArgumentParser(usage="%(prog)s [options]", **kwargs))
+    subparsers = parser.add_subparsers(
+        dest="command",
+        metavar="COMMAND",
+        required=True,
+        parser_class=lambda **kwargs: argparse.ArgumentParser(
+            usage="%(prog)s [options]", **kwargs
+        ),
+    )
     for name, (help_line, add) in COMMANDS.items():
         if only is None or name == only:
             add(subparsers)

@@ -32,15 +32,20 @@ BOM = "\ufeff"  # the byte-order mark that some editors put at the start of a UT
 
 
 def read_lines(path) -> list[str]:
-    """The lines of a UTF-8 text file, plain or gzip-compressed (by its ``.gz`` suffix), without line ends.
+    """The lines of a UTF-8 text file, plain or gzip-compressed (by its ``.gz`` suffix),
+    without line ends.
 
-    One sentence a line; a byte-order mark at the start is dropped. A missing file or
-    a folder raises FileNotFoundError; bytes that are not UTF-8 (the error names the
-    line) or a damaged gzip stream raise ValueError. Every message names the file.
+    One sentence a line; a byte-order mark at the start is dropped. A missing file or a
+    folder raises FileNotFoundError; bytes that are not UTF-8 (the error names the line)
+    or a damaged gzip stream raise ValueError. Every message names the file.
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is a folder, not a text file" if path.is_dir() else f"no file at {path}")
+        raise FileNotFoundError(
+            f"{path} is a folder, not a text file"
+            if path.is_dir()
+            else f"no file at {path}"
+        )
     opener = gzip.open if path.suffix == ".gz" else open
     lines = []
     try:
@@ -49,18 +54,24 @@ def read_lines(path) -> list[str]:
                 text = line.decode("utf-8").rstrip("\r\n")
                 lines.append(text.removeprefix(BOM) if number == 1 else text)
     except UnicodeDecodeError as error:
-        raise ValueError(f"line {number} of {path} is not UTF-8 text: {error.reason} at byte {error.start + 1} "
-                         f"of the line") from None
+        raise ValueError(
+            f"line {number} of {path} is not UTF-8 text: {error.reason} at byte "
+            f"{error.start + 1} of the line"
+        ) from None
     except (gzip.BadGzipFile, EOFError, zlib.error) as error:
-        raise ValueError(f"{path} is not a UTF-8 text file compressed with gzip: {error}") from None
+        raise ValueError(
+            f"{path} is not a UTF-8 text file compressed with gzip: {error}"
+        ) from None
     return lines
 
 
 def load_split(split: str, directory=None) -> list[tuple[str, str]]:
-    """The (German, English) sentence pairs of a split: 'train' (29,000), 'valid' (1,014) or 'test' (1,000).
+    """The (German, English) sentence pairs of a split: 'train' (29,000), 'valid'
+    (1,014) or 'test' (1,000).
 
-    The files come from ``fetch`` (see the appendix on downloading the data): from ``directory``, the folder
-    named by $ANNOTATED_TRANSFORMER_DATA, the cache or a download, always verified.
+    The files come from ``fetch`` (see the appendix on downloading the data): from
+    ``directory``, the folder named by $ANNOTATED_TRANSFORMER_DATA, the cache or a
+    download, always verified.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
@@ -68,20 +79,29 @@ def load_split(split: str, directory=None) -> list[tuple[str, str]]:
     german = read_lines(fetch(f"{stem}.de.gz", directory))
     english = read_lines(fetch(f"{stem}.en.gz", directory))
     if len(german) != len(english):
-        raise ValueError(f"{stem}: {len(german)} German lines but {len(english)} English lines")
+        raise ValueError(
+            f"{stem}: {len(german)} German lines but {len(english)} English lines"
+        )
     return list(zip(german, english))
 
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
-def train_tokenizer(pairs, vocab_size: int = 8000, model_type: str = "bpe", directory=None) -> Path:
-    """Train (or reuse) one joint SentencePiece model on both sides of ``pairs``; return its ``.model`` path.
+def train_tokenizer(
+    pairs, vocab_size: int = 8000, model_type: str = "bpe", directory=None
+) -> Path:
+    """Train (or reuse) one joint SentencePiece model on both sides of ``pairs``; return
+    its ``.model`` path.
 
-    The model is cached under a name derived from its training text and settings, so a second call is free.
-    Ids 0-3 are <pad>, <unk>, <s> and </s>.
+    The model is cached under a name derived from its training text and settings, so a
+    second call is free. Ids 0-3 are <pad>, <unk>, <s> and </s>.
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 8:
+    if (
+        isinstance(vocab_size, bool)
+        or not isinstance(vocab_size, int)
+        or vocab_size < 8
+    ):
         raise ValueError(f"vocab_size must be an integer >= 8, got {vocab_size!r}")
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
@@ -125,8 +145,8 @@ def size_refusal(vocab_size: int, message: str) -> Exception:
                           f"got {vocab_size}")
     if high := re.search(r"Vocabulary size too high .* <= (\d+)", message):
         return ValueError(f"vocab_size must be at most {high[1]} for this text "
-                          "(SentencePiece finds no more pieces in it), "
-                          f"got {vocab_size}")
+                          "(SentencePiece finds no more pieces in it), got "
+                          f"{vocab_size}")
     return RuntimeError(message)
 
 
@@ -170,22 +190,33 @@ def remove_stale_scratch(folder: Path, older_than: float = STALE_SECONDS) -> lis
 
 
 def normalize(text: str) -> str:
-    """The text as SentencePiece's default normaliser leaves it: Unicode NFKC, single spaces, no outer spaces."""
+    """The text as SentencePiece's default normaliser leaves it: Unicode NFKC, single
+    spaces, no outer spaces."""
     return " ".join(unicodedata.normalize("NFKC", text).split())
 
 
-def encode_pairs(pairs, tokenizer, max_len: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """Encode (source, target) sentence pairs to ids: ``(source + [</s>], [<s>] + target + [</s>])``.
+def encode_pairs(
+    pairs, tokenizer, max_len: int | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """Encode (source, target) sentence pairs to ids: ``(source + [</s>], [<s>] + target
+    + [</s>])``.
 
-    With ``max_len``, pairs whose source or target (special symbols included) is longer are left out.
+    With ``max_len``, pairs whose source or target (special symbols included) is longer
+    are left out.
     """
-    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 3):
+    if max_len is not None and (
+        isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 3
+    ):
         raise ValueError(f"max_len must be None or an integer >= 3, got {max_len!r}")
     sources = tokenizer.encode([source for source, _ in pairs])
     targets = tokenizer.encode([target for _, target in pairs])
-    examples = [(s + [EOS_ID], [BOS_ID] + t + [EOS_ID]) for s, t in zip(sources, targets)]
+    examples = [
+        (s + [EOS_ID], [BOS_ID] + t + [EOS_ID]) for s, t in zip(sources, targets)
+    ]
     if max_len is not None:
-        examples = [(s, t) for s, t in examples if len(s) <= max_len and len(t) <= max_len]
+        examples = [
+            (s, t) for s, t in examples if len(s) <= max_len and len(t) <= max_len
+        ]
     return examples
 
 
@@ -198,8 +229,12 @@ def pad_sequences(sequences: Sequence[Sequence[int]], pad: int = PAD_ID, *,
     longest = max(len(s) for s in sequences)
     width = longest if width is None else width
     if width < longest:
-        raise ValueError(f"width={width} is shorter than the longest sequence ({longest})")
-    return torch.tensor([list(s) + [pad] * (width - len(s)) for s in sequences], dtype=torch.long)
+        raise ValueError(
+            f"width={width} is shorter than the longest sequence ({longest})"
+        )
+    return torch.tensor(
+        [list(s) + [pad] * (width - len(s)) for s in sequences], dtype=torch.long
+    )
 
 
 def padded_lengths(source: int, target: int, multiple: int = 1) -> tuple[int, int]:
@@ -208,26 +243,32 @@ def padded_lengths(source: int, target: int, multiple: int = 1) -> tuple[int, in
     The source is rounded up to a multiple; the target (``<s> ... </s>``) to a multiple
     plus one, so that the decoder's input and labels, one token shorter, are multiples.
     """
-    return -(-source // multiple) * multiple, -(-(target - 1) // multiple) * multiple + 1
+    return -(-source // multiple) * multiple, -(
+        -(target - 1) // multiple
+    ) * multiple + 1
 
 
 def collate(examples, indices=None, pad: int = PAD_ID, *, multiple: int = 1) -> Batch:
-    """The ``Batch`` of ``examples`` (or of ``examples[i] for i in indices``), padded with
-    ``pad`` (to the widths of :func:`padded_lengths` with ``multiple``)."""
+    """The ``Batch`` of ``examples`` (or of ``examples[i] for i in indices``), padded
+    with ``pad`` (to the widths of :func:`padded_lengths` with ``multiple``)."""
     chosen = examples if indices is None else [examples[i] for i in indices]
     sources, targets = [s for s, _ in chosen], [t for _, t in chosen]
-    width_s, width_t = padded_lengths(max(map(len, sources)), max(map(len, targets)), multiple)
+    width_s, width_t = padded_lengths(
+        max(map(len, sources)), max(map(len, targets)), multiple
+    )
     return Batch(pad_sequences(sources, pad, width=width_s),
                  pad_sequences(targets, pad, width=width_t), pad)
 
 
 class EpochBatches:
-    """Length-bucketed token batches over ``examples``, reshuffled every epoch, as a function of the batch number.
+    """Length-bucketed token batches over ``examples``, reshuffled every epoch, as a
+    function of the batch number.
 
-    ``batches(i)`` is batch ``i % len(batches)`` of epoch ``i // len(batches)``; the shuffle of epoch ``e`` is
-    seeded by ``(seed, e)``, so batch ``i`` is the same in every run. Every batch holds at most ``max_tokens``
-    padded tokens per side. With ``multiple`` > 1 the lengths are padded as :func:`padded_lengths` says
-    (fewer distinct shapes, for ``torch.compile``), and the budget counts the padded lengths.
+    ``batches(i)`` is batch ``i % len(batches)`` of epoch ``i // len(batches)``; the
+    shuffle of epoch ``e`` is seeded by ``(seed, e)``, so batch ``i`` is the same in
+    every run. Every batch holds at most ``max_tokens`` padded tokens per side. With
+    ``multiple`` > 1 the lengths are padded as :func:`padded_lengths` says (fewer
+    distinct shapes, for ``torch.compile``), and the budget counts the padded lengths.
     """
 
     def __init__(self, examples, max_tokens: int, seed: int = 0, pad: int = PAD_ID, *,
@@ -236,7 +277,12 @@ class EpochBatches:
             raise ValueError("examples is empty")
         if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
             raise ValueError(f"multiple must be a positive integer, got {multiple!r}")
-        self.examples, self.max_tokens, self.seed, self.pad = examples, max_tokens, seed, pad
+        self.examples, self.max_tokens, self.seed, self.pad = (
+            examples,
+            max_tokens,
+            seed,
+            pad,
+        )
         self.multiple = multiple
         self.lengths = [padded_lengths(len(s), len(t), multiple) for s, t in examples]
         self._epoch, self._batches = None, None
@@ -246,7 +292,10 @@ class EpochBatches:
         """The batches (lists of example indices) of one epoch."""
         if epoch != self._epoch:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch, self._batches = epoch, token_batches(self.lengths, self.max_tokens, generator=generator)
+            self._epoch, self._batches = (
+                epoch,
+                token_batches(self.lengths, self.max_tokens, generator=generator),
+            )
         return self._batches
 
     def __len__(self) -> int:
@@ -254,17 +303,26 @@ class EpochBatches:
 
     def __call__(self, index: int) -> Batch:
         epoch, position = divmod(index, self.batches_per_epoch)
-        return collate(self.examples, self.epoch(epoch)[position], self.pad, multiple=self.multiple)
+        return collate(
+            self.examples, self.epoch(epoch)[position], self.pad, multiple=self.multiple
+        )
 
 
 def tokenizer_to_tensor(tokenizer: spm.SentencePieceProcessor) -> torch.Tensor:
-    """The tokenizer's serialised model as a uint8 tensor (to store inside a checkpoint)."""
-    return torch.frombuffer(bytearray(tokenizer.serialized_model_proto()), dtype=torch.uint8)
+    """The tokenizer's serialised model as a uint8 tensor (to store inside a
+    checkpoint)."""
+    return torch.frombuffer(
+        bytearray(tokenizer.serialized_model_proto()), dtype=torch.uint8
+    )
 
 
 def tokenizer_from_tensor(data: torch.Tensor) -> spm.SentencePieceProcessor:
     """Rebuild a tokenizer from :func:`tokenizer_to_tensor`'s tensor."""
-    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
+    if (
+        not isinstance(data, torch.Tensor)
+        or data.dtype != torch.uint8
+        or data.dim() != 1
+    ):
         raise TypeError("data must be a 1-D uint8 tensor made by tokenizer_to_tensor")
     return spm.SentencePieceProcessor(model_proto=data.numpy().tobytes())
 

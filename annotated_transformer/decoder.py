@@ -16,34 +16,50 @@ from annotated_transformer.sublayers import SublayerConnection, clones
 class DecoderCache:
     """Keys and values kept between decoding steps, for each decoder layer.
 
-    ``layers[i]`` is ``(self_cache, cross_cache)`` for layer ``i``: the self-attention cache grows by the new
-    positions at each step, the cross-attention cache (``static=True``) holds the projected encoder memory.
-    ``len(cache)`` is the number of target positions already seen; ``reorder(index)`` selects batch rows (beams).
+    ``layers[i]`` is ``(self_cache, cross_cache)`` for layer ``i``: the self-attention
+    cache grows by the new positions at each step, the cross-attention cache
+    (``static=True``) holds the projected encoder memory. ``len(cache)`` is the number
+    of target positions already seen; ``reorder(index)`` selects batch rows (beams).
     """
 
     def __init__(self, num_layers: int):
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+        if (
+            isinstance(num_layers, bool)
+            or not isinstance(num_layers, int)
+            or num_layers < 1
+        ):
+            raise ValueError(
+                f"num_layers must be a positive integer, got {num_layers!r}"
+            )
         self.layers = [(KVCache(), KVCache(static=True)) for _ in range(num_layers)]
 
     def __len__(self) -> int:
         return len(self.layers[0][0])
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` (a 1-D long tensor) in every cache, e.g. the surviving beams."""
+        """Keep batch rows ``index`` (a 1-D long tensor) in every cache, e.g. the
+        surviving beams."""
         for self_cache, cross_cache in self.layers:
             self_cache.reorder(index)
             cross_cache.reorder(index)
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer (section 3.1): masked self-attention, cross-attention over the encoder memory,
-    then a position-wise feed-forward network, each inside a residual connection with layer normalisation
-    (post-norm, or pre-norm when ``norm_first=True``).
+    """One decoder layer (section 3.1): masked self-attention, cross-attention over the
+    encoder memory, then a position-wise feed-forward network, each inside a residual
+    connection with layer normalisation (post-norm, or pre-norm when
+    ``norm_first=True``).
     """
 
-    def __init__(self, size: int, self_attn: nn.Module, src_attn: nn.Module, feed_forward: nn.Module,
-                 dropout: float, norm_first: bool = False):
+    def __init__(
+        self,
+        size: int,
+        self_attn: nn.Module,
+        src_attn: nn.Module,
+        feed_forward: nn.Module,
+        dropout: float,
+        norm_first: bool = False,
+    ):
         super().__init__()
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size (d_model) must be a positive integer, got {size!r}")
@@ -51,7 +67,10 @@ class DecoderLayer(nn.Module):
         check_module("src_attn", src_attn)
         check_module("feed_forward", feed_forward)
         if self_attn is src_attn:
-            raise ValueError("self_attn and src_attn must be two different modules (deep-copy one of them)")
+            raise ValueError(
+                "self_attn and src_attn must be two different modules (deep-copy one "
+                "of them)"
+            )
         self.size = size
         self.norm_first = bool(norm_first)
         self.self_attn = self_attn
@@ -60,9 +79,9 @@ class DecoderLayer(nn.Module):
         self.sublayer = clones(SublayerConnection(size, dropout, norm_first), 3)
 
     def forward(self, x, memory, src_mask, tgt_mask, cache=None):
-        """x: (B, T, d_model) target states; memory: (B, S, d_model); src_mask: (B, 1, S);
-        tgt_mask: (B, T, T) or, with a cache, (B, T, len(cache) + T). True = may attend.
-        ``cache`` is this layer's ``(self_cache, cross_cache)`` pair or None.
+        """x: (B, T, d_model) target states; memory: (B, S, d_model); src_mask: (B, 1,
+        S); tgt_mask: (B, T, T) or, with a cache, (B, T, len(cache) + T). True = may
+        attend. ``cache`` is this layer's ``(self_cache, cross_cache)`` pair or None.
         Returns (B, T, d_model). With a cache, ``tgt_mask`` may be None for one new
         position (nothing lies in its future); several new positions without a mask
         would see each other: refused."""
@@ -70,13 +89,18 @@ class DecoderLayer(nn.Module):
         if self_cache is not None and tgt_mask is None and x.size(1) > 1:
             raise ValueError(f"{x.size(1)} new positions with a cache need a tgt_mask "
                              "(without one, each would attend to the ones after it)")
-        x = self.sublayer[0](x, lambda x: self.self_attn(x, x, x, tgt_mask, cache=self_cache))
-        x = self.sublayer[1](x, lambda x: self.src_attn(x, memory, memory, src_mask, cache=cross_cache))
+        x = self.sublayer[0](
+            x, lambda x: self.self_attn(x, x, x, tgt_mask, cache=self_cache)
+        )
+        x = self.sublayer[1](
+            x, lambda x: self.src_attn(x, memory, memory, src_mask, cache=cross_cache)
+        )
         return self.sublayer[2](x, self.feed_forward)
 
 
 class Decoder(nn.Module):
-    """A stack of ``N`` deep copies of ``layer`` (section 3.1), with a final ``LayerNorm`` when pre-norm."""
+    """A stack of ``N`` deep copies of ``layer`` (section 3.1), with a final
+    ``LayerNorm`` when pre-norm."""
 
     def __init__(self, layer: DecoderLayer, N: int, norm_first: bool = False):
         super().__init__()
@@ -86,20 +110,33 @@ class Decoder(nn.Module):
         self.layers, self.norm = stack(layer, N, norm_first)
 
     def forward(self, x, memory, src_mask, tgt_mask, cache: DecoderCache | None = None):
-        """x: embedded target (B, T, d_model); memory: encoder output (B, S, d_model); masks as in
-        ``DecoderLayer``. With a ``DecoderCache``, ``x`` holds only the new positions. Returns (B, T, d_model)."""
+        """x: embedded target (B, T, d_model); memory: encoder output (B, S, d_model);
+        masks as in ``DecoderLayer``. With a ``DecoderCache``, ``x`` holds only the new
+        positions. Returns (B, T, d_model)."""
         for name, value in (("x", x), ("memory", memory)):
             if value.dim() != 3 or value.size(-1) != self.size:
-                raise ValueError(f"{name} must have shape (batch, length, {self.size}), got {tuple(value.shape)}")
+                raise ValueError(
+                    f"{name} must have shape (batch, length, {self.size}), got "
+                    f"{tuple(value.shape)}"
+                )
         if cache is not None:
             if not isinstance(cache, (DecoderCache, StaticDecoderCache)):
                 name = type(cache).__name__
                 raise TypeError(f"cache must be a DecoderCache or a StaticDecoderCache,"
                                 f" got {name}")
             if len(cache.layers) != len(self.layers):
-                raise ValueError(f"cache has {len(cache.layers)} layers, the decoder {len(self.layers)}")
+                raise ValueError(
+                    f"cache has {len(cache.layers)} layers, the decoder "
+                    f"{len(self.layers)}"
+                )
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, src_mask, tgt_mask, None if cache is None else cache.layers[i])
+            x = layer(
+                x,
+                memory,
+                src_mask,
+                tgt_mask,
+                None if cache is None else cache.layers[i],
+            )
         return self.norm(x)
 
 

@@ -15,14 +15,26 @@ from annotated_transformer.trainer import copy_batches
 
 
 @torch.no_grad()
-def greedy_decode(model, src, src_mask, max_len, start_symbol, end_symbol=None, use_cache=True,
-                  return_log_probs=False, *, static=False, compile=False):
+def greedy_decode(
+    model,
+    src,
+    src_mask,
+    max_len,
+    start_symbol,
+    end_symbol=None,
+    use_cache=True,
+    return_log_probs=False,
+    *,
+    static=False,
+    compile=False,
+):
     """Greedy decoding of a batch: the most probable token at every step.
 
-    Returns the tokens, shape (B, T) with T <= max_len, starting with ``start_symbol``. A sentence that has
-    produced ``end_symbol`` is finished: its later positions hold ``end_symbol`` too, and decoding stops when
-    every sentence has finished. With ``return_log_probs=True`` also returns the log-probability of each chosen
-    token, shape (B, T - 1) (0 after a sentence has finished).
+    Returns the tokens, shape (B, T) with T <= max_len, starting with ``start_symbol``.
+    A sentence that has produced ``end_symbol`` is finished: its later positions hold
+    ``end_symbol`` too, and decoding stops when every sentence has finished. With
+    ``return_log_probs=True`` also returns the log-probability of each chosen token,
+    shape (B, T - 1) (0 after a sentence has finished).
 
     ``use_cache=False`` recomputes the prefix at every step; ``use_cache=True`` keeps a
     growing ``DecoderCache`` or, with ``static=True``, a ``StaticDecoderCache`` of fixed
@@ -31,7 +43,9 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol, end_symbol=None, 
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
     if src.dim() != 2 or src.size(1) == 0:
-        raise ValueError(f"src must have shape (batch, length >= 1), got {tuple(src.shape)}")
+        raise ValueError(
+            f"src must have shape (batch, length >= 1), got {tuple(src.shape)}"
+        )
     check_cache_flags(use_cache, static, compile)
     memory = model.encode(src, src_mask)
     batch = src.size(0)
@@ -43,8 +57,10 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol, end_symbol=None, 
     for _ in range(0 if static else max_len - 1):  # static: greedy_static's loop, below
         if use_cache:  # feed only the newest token; the cache holds the rest
             out = model.decode(memory, src_mask, ys[:, -1:], None, cache=cache)
-        else:          # feed the whole prefix and recompute every position
-            out = model.decode(memory, src_mask, ys, subsequent_mask(ys.size(1)).to(src.device))
+        else:  # feed the whole prefix and recompute every position
+            out = model.decode(
+                memory, src_mask, ys, subsequent_mask(ys.size(1)).to(src.device)
+            )
         log_probs = model.generator(out[:, -1])
         best, next_word = log_probs.max(dim=-1)
         if end_symbol is not None:
@@ -59,7 +75,11 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol, end_symbol=None, 
         ys, chosen = greedy_static(model, memory, src_mask, max_len, ys, end_symbol,
                                    compile)
     if return_log_probs:
-        scores = torch.stack(chosen, dim=1) if chosen else ys.new_zeros((batch, 0), dtype=torch.float)
+        scores = (
+            torch.stack(chosen, dim=1)
+            if chosen
+            else ys.new_zeros((batch, 0), dtype=torch.float)
+        )
         return ys, scores
     return ys
 
@@ -78,11 +98,24 @@ def check_cache_flags(use_cache, static, compile) -> None:
                          "shape at every step")
 
 
-def copy_accuracy(model, *, vocab: int, seq_len: int, n: int = 1000, seed: int = 12345, start: int = 1,
-                  device=None) -> float:
-    """Exact-match accuracy of greedy decoding on ``n`` fresh random copy-task sequences."""
+def copy_accuracy(
+    model,
+    *,
+    vocab: int,
+    seq_len: int,
+    n: int = 1000,
+    seed: int = 12345,
+    start: int = 1,
+    device=None,
+) -> float:
+    """Exact-match accuracy of greedy decoding on ``n`` fresh random copy-task
+    sequences."""
     device = next(model.parameters()).device if device is None else get_device(device)
-    batch = next(copy_batches(vocab, n, seq_len, 1, generator=torch.Generator().manual_seed(seed)))
+    batch = next(
+        copy_batches(
+            vocab, n, seq_len, 1, generator=torch.Generator().manual_seed(seed)
+        )
+    )
     src = batch.src.to(device)
     with evaluating(model):
         output = greedy_decode(model, src, padding_mask(src, 0), seq_len, start)

@@ -17,27 +17,36 @@ from pathlib import Path
 
 try:
     import fcntl                # POSIX: a live download holds a lock on its .part file
-except ImportError:             # Windows has no fcntl; there, only the age of a .part file tells
+# Windows has no fcntl; there, only the age of a .part file tells
+except ImportError:
     fcntl = None
 
 
-MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
+MULTI30K_URL = (
+    "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
+)
 MULTI30K_FILES = {
     "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
     "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
     "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
     "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
-    "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
-    "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
+    "test_2016_flickr.de.gz":
+        "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
+    "test_2016_flickr.en.gz":
+        "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
 }
 DATA_ENV = "ANNOTATED_TRANSFORMER_DATA"
 CACHE_ENV = "ANNOTATED_TRANSFORMER_CACHE"
-STALE_PART_SECONDS = 600   # without locks (Windows): a .part file untouched this long belongs to no live download
+# without locks (Windows): a .part file untouched this long belongs to no live download
+STALE_PART_SECONDS = 600
 
 
 def cache_dir() -> Path:
-    """Where downloads and tokenizers are cached: $ANNOTATED_TRANSFORMER_CACHE or ~/.cache/annotated_transformer."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "annotated_transformer")
+    """Where downloads and tokenizers are cached: $ANNOTATED_TRANSFORMER_CACHE or
+    ~/.cache/annotated_transformer."""
+    return Path(
+        os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "annotated_transformer"
+    )
 
 
 def sha256(path: Path) -> str:
@@ -50,33 +59,43 @@ def sha256(path: Path) -> str:
 
 
 def verify(path: Path, name: str) -> Path:
-    """Return ``path`` if its SHA-256 is the one expected for the Multi30k file ``name``; raise ValueError if not."""
+    """Return ``path`` if its SHA-256 is the one expected for the Multi30k file
+    ``name``; raise ValueError if not."""
     actual = sha256(path)
     if actual != MULTI30K_FILES[name]:
         raise ValueError(
-            f"{path} has SHA-256 {actual}, expected {MULTI30K_FILES[name]}: the file is corrupt or not the "
-            f"Multi30k {name}; delete it (or replace it with the right file) and try again"
+            f"{path} has SHA-256 {actual}, expected {MULTI30K_FILES[name]}: the file "
+            f"is corrupt or not the Multi30k {name}; delete it (or replace it with the "
+            "right file) and try again"
         )
     return path
 
 
 def download(url: str, destination: Path, name: str) -> Path:
-    """Download to a temporary file next to ``destination``, verify, then rename: never a partial file."""
+    """Download to a temporary file next to ``destination``, verify, then rename: never
+    a partial file."""
     destination.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=destination.parent, prefix=f".{name}.", suffix=".part")
+    handle, temporary = tempfile.mkstemp(
+        dir=destination.parent, prefix=f".{name}.", suffix=".part"
+    )
     if fcntl is not None:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)   # "a live download writes this file"
+        # "a live download writes this file"
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
-        with os.fdopen(handle, "wb") as stream:         # open (and locked) until the rename
+        # open (and locked) until the rename
+        with os.fdopen(handle, "wb") as stream:
             with urllib.request.urlopen(url, timeout=60) as response:
                 for block in iter(lambda: response.read(1 << 16), b""):
                     stream.write(block)
             stream.flush()
             actual = sha256(Path(temporary))
             if actual != MULTI30K_FILES[name]:
-                raise ValueError(f"the download of {url} has SHA-256 {actual}, expected {MULTI30K_FILES[name]}: it "
-                                 f"is corrupt or not the Multi30k {name}, and nothing was saved to {destination}; "
-                                 f"put a copy with the expected digest in a folder named by {DATA_ENV}")
+                raise ValueError(
+                    f"the download of {url} has SHA-256 {actual}, expected "
+                    f"{MULTI30K_FILES[name]}: it is corrupt or not the Multi30k "
+                    f"{name}, and nothing was saved to {destination}; put a copy with "
+                    f"the expected digest in a folder named by {DATA_ENV}"
+                )
             os.replace(temporary, destination)
     finally:
         if os.path.exists(temporary):
@@ -85,7 +104,8 @@ def download(url: str, destination: Path, name: str) -> Path:
 
 
 def abandoned(part: Path, older_than: float = STALE_PART_SECONDS) -> bool:
-    """True if no live download writes ``part``: nobody holds its lock (or, without locks, it is old)."""
+    """True if no live download writes ``part``: nobody holds its lock (or, without
+    locks, it is old)."""
     if fcntl is None:
         return time.time() - part.stat().st_mtime > older_than
     with open(part, "rb") as stream:
@@ -96,8 +116,11 @@ def abandoned(part: Path, older_than: float = STALE_PART_SECONDS) -> bool:
         return True
 
 
-def remove_stale_parts(destination: Path, older_than: float = STALE_PART_SECONDS) -> list[Path]:
-    """Delete the ``.part`` files of ``destination`` that no live download writes; return their paths."""
+def remove_stale_parts(
+    destination: Path, older_than: float = STALE_PART_SECONDS
+) -> list[Path]:
+    """Delete the ``.part`` files of ``destination`` that no live download writes;
+    return their paths."""
     removed = []
     for part in destination.parent.glob(f".{glob.escape(destination.name)}.*.part"):
         try:
@@ -109,14 +132,19 @@ def remove_stale_parts(destination: Path, older_than: float = STALE_PART_SECONDS
     return removed
 
 
-def fetch(name: str, directory: str | os.PathLike | None = None, url: str = MULTI30K_URL) -> Path:
+def fetch(
+    name: str, directory: str | os.PathLike | None = None, url: str = MULTI30K_URL
+) -> Path:
     """The path of a verified Multi30k file, downloading it into the cache if needed.
 
-    With ``directory`` (or $ANNOTATED_TRANSFORMER_DATA) the file must already be there: nothing is downloaded.
-    Otherwise it is taken from the cache, or downloaded from ``url + name`` into the cache.
+    With ``directory`` (or $ANNOTATED_TRANSFORMER_DATA) the file must already be there:
+    nothing is downloaded. Otherwise it is taken from the cache, or downloaded from
+    ``url + name`` into the cache.
     """
     if name not in MULTI30K_FILES:
-        raise ValueError(f"unknown Multi30k file {name!r}; expected one of {sorted(MULTI30K_FILES)}")
+        raise ValueError(
+            f"unknown Multi30k file {name!r}; expected one of {sorted(MULTI30K_FILES)}"
+        )
     if not url.endswith("/"):
         raise ValueError(f"url must be a folder URL ending in '/', got {url!r}")
     local = directory if directory is not None else os.environ.get(DATA_ENV)
@@ -125,8 +153,8 @@ def fetch(name: str, directory: str | os.PathLike | None = None, url: str = MULT
         if not path.exists():
             source = "the directory argument" if directory is not None else DATA_ENV
             raise FileNotFoundError(
-                f"{name} is not in {local} (set by {source}); put the Multi30k file there "
-                f"(from {url}{name}) or unset {DATA_ENV} to download it"
+                f"{name} is not in {local} (set by {source}); put the Multi30k file "
+                f"there (from {url}{name}) or unset {DATA_ENV} to download it"
             )
         return verify(path, name)
     path = cache_dir() / "multi30k" / name
@@ -137,8 +165,9 @@ def fetch(name: str, directory: str | os.PathLike | None = None, url: str = MULT
         return download(url + name, path, name)
     except (urllib.error.URLError, OSError) as error:
         raise FileNotFoundError(
-            f"could not download {name} from {url}{name} ({error}); without a network, download it elsewhere "
-            f"and put it in a folder named by {DATA_ENV}, or in {path.parent}"
+            f"could not download {name} from {url}{name} ({error}); without a network, "
+            f"download it elsewhere and put it in a folder named by {DATA_ENV}, or in "
+            f"{path.parent}"
         ) from error
 
 

@@ -14,11 +14,12 @@ from torch import nn
 class Embeddings(nn.Module):
     """Token embeddings scaled by sqrt(d_model) (section 3.4 of the paper).
 
-    ``forward(tokens)`` maps integer ids of shape ``(...)`` to vectors of shape ``(..., d_model)``:
-    ``lut(tokens) * sqrt(d_model)``. Ids outside ``[0, vocab)`` raise a ``ValueError``
-    for tensors on the CPU, in eager mode. The check is skipped on a GPU, where it would
-    cost a synchronisation (PyTorch reports such ids as a device-side assert), and while
-    ``torch.compile`` traces the model, where it would break the graph.
+    ``forward(tokens)`` maps integer ids of shape ``(...)`` to vectors of shape ``(...,
+    d_model)``: ``lut(tokens) * sqrt(d_model)``. Ids outside ``[0, vocab)`` raise a
+    ``ValueError`` for tensors on the CPU, in eager mode. The check is skipped on a GPU,
+    where it would cost a synchronisation (PyTorch reports such ids as a device-side
+    assert), and while ``torch.compile`` traces the model, where it would break the
+    graph.
     """
 
     def __init__(self, d_model: int, vocab: int):
@@ -32,23 +33,28 @@ class Embeddings(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"tokens must be an integer tensor (torch.long or torch.int), got {tokens.dtype}")
+            raise TypeError(
+                "tokens must be an integer tensor (torch.long or torch.int), got "
+                f"{tokens.dtype}"
+            )
         eager_cpu = tokens.device.type == "cpu" and not torch.compiler.is_compiling()
         if eager_cpu and tokens.numel() > 0:  # where reading two numbers is free
             low, high = int(tokens.min()), int(tokens.max())
             if low < 0 or high >= self.vocab:
                 raise ValueError(
-                    f"token ids must lie in [0, {self.vocab - 1}] for a vocabulary of vocab={self.vocab}, "
-                    f"got ids from {low} to {high}"
+                    f"token ids must lie in [0, {self.vocab - 1}] for a vocabulary of "
+                    f"vocab={self.vocab}, got ids from {low} to {high}"
                 )
         return self.lut(tokens) * math.sqrt(self.d_model)
 
 
 class Generator(nn.Module):
-    """The output layer: a linear projection to ``vocab`` scores and a log-softmax (section 3.4).
+    """The output layer: a linear projection to ``vocab`` scores and a log-softmax
+    (section 3.4).
 
-    ``forward(x)`` maps ``(..., d_model)`` to log-probabilities ``(..., vocab)``. With weight tying,
-    ``proj.weight`` is the embedding matrix; the bias ``proj.bias`` stays separate.
+    ``forward(x)`` maps ``(..., d_model)`` to log-probabilities ``(..., vocab)``. With
+    weight tying, ``proj.weight`` is the embedding matrix; the bias ``proj.bias`` stays
+    separate.
     """
 
     def __init__(self, d_model: int, vocab: int):

@@ -12,16 +12,24 @@ from annotated_transformer.sublayers import LayerNorm, SublayerConnection, clone
 
 
 class EncoderLayer(nn.Module):
-    """One encoder layer (section 3.1): self-attention, then a position-wise feed-forward network.
+    """One encoder layer (section 3.1): self-attention, then a position-wise
+    feed-forward network.
 
     Each sublayer sits inside a residual connection with layer normalisation: post-norm
-    ``LayerNorm(x + Sublayer(x))`` as in the paper, or pre-norm ``x + Sublayer(LayerNorm(x))`` when
-    ``norm_first=True``. ``self_attn`` is a ``MultiHeadedAttention`` and ``feed_forward`` a
-    ``PositionwiseFeedForward``, both of width ``size`` (= d_model).
+    ``LayerNorm(x + Sublayer(x))`` as in the paper, or pre-norm ``x +
+    Sublayer(LayerNorm(x))`` when ``norm_first=True``. ``self_attn`` is a
+    ``MultiHeadedAttention`` and ``feed_forward`` a ``PositionwiseFeedForward``, both of
+    width ``size`` (= d_model).
     """
 
-    def __init__(self, size: int, self_attn: nn.Module, feed_forward: nn.Module, dropout: float,
-                 norm_first: bool = False):
+    def __init__(
+        self,
+        size: int,
+        self_attn: nn.Module,
+        feed_forward: nn.Module,
+        dropout: float,
+        norm_first: bool = False,
+    ):
         super().__init__()
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size (d_model) must be a positive integer, got {size!r}")
@@ -34,22 +42,30 @@ class EncoderLayer(nn.Module):
         self.sublayer = clones(SublayerConnection(size, dropout, norm_first), 2)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """x: (B, S, d_model); mask: (B, 1, S) bool, True = may attend. Returns (B, S, d_model)."""
+        """x: (B, S, d_model); mask: (B, 1, S) bool, True = may attend. Returns (B, S,
+        d_model)."""
         x = self.sublayer[0](x, lambda x: self.self_attn(x, x, x, mask))
         return self.sublayer[1](x, self.feed_forward)
 
 
-def stack(layer: nn.Module, N: int, norm_first: bool) -> tuple[nn.ModuleList, nn.Module]:
-    """``N`` deep copies of ``layer``, and the stack's final norm: a ``LayerNorm`` when pre-norm, else identity.
+def stack(
+    layer: nn.Module, N: int, norm_first: bool
+) -> tuple[nn.ModuleList, nn.Module]:
+    """``N`` deep copies of ``layer``, and the stack's final norm: a ``LayerNorm`` when
+    pre-norm, else identity.
 
-    Raises ValueError unless ``N`` is a positive integer and ``layer.norm_first`` equals ``norm_first``.
+    Raises ValueError unless ``N`` is a positive integer and ``layer.norm_first`` equals
+    ``norm_first``.
     """
     if isinstance(N, bool) or not isinstance(N, int) or N < 1:
-        raise ValueError(f"N (the number of layers) must be a positive integer, got {N!r}")
+        raise ValueError(
+            f"N (the number of layers) must be a positive integer, got {N!r}"
+        )
     if layer.norm_first != bool(norm_first):
         raise ValueError(
-            f"the layer has norm_first={layer.norm_first} but the stack norm_first={bool(norm_first)}; "
-            "they must agree (only a pre-norm stack ends with a LayerNorm)"
+            f"the layer has norm_first={layer.norm_first} but the stack "
+            f"norm_first={bool(norm_first)}; they must agree (only a pre-norm stack "
+            "ends with a LayerNorm)"
         )
     return clones(layer, N), LayerNorm(layer.size) if norm_first else nn.Identity()
 
@@ -57,22 +73,27 @@ def stack(layer: nn.Module, N: int, norm_first: bool) -> tuple[nn.ModuleList, nn
 class Encoder(nn.Module):
     """A stack of ``N`` deep copies of ``layer`` (section 3.1; the paper uses N = 6).
 
-    With ``norm_first=True`` (pre-norm) a final ``LayerNorm`` normalises the output, as in PyTorch's
-    ``nn.TransformerEncoder(..., norm=LayerNorm)``; the post-norm stack has none, its last layer already ends
-    with a ``LayerNorm``.
+    With ``norm_first=True`` (pre-norm) a final ``LayerNorm`` normalises the output, as
+    in PyTorch's ``nn.TransformerEncoder(..., norm=LayerNorm)``; the post-norm stack has
+    none, its last layer already ends with a ``LayerNorm``.
     """
 
     def __init__(self, layer: EncoderLayer, N: int, norm_first: bool = False):
         super().__init__()
         if not isinstance(layer, EncoderLayer):
-            raise TypeError(f"layer must be an EncoderLayer, got {type(layer).__name__}")
+            raise TypeError(
+                f"layer must be an EncoderLayer, got {type(layer).__name__}"
+            )
         self.size = layer.size
         self.layers, self.norm = stack(layer, N, norm_first)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """x: embedded source (B, S, d_model); mask: (B, 1, S) bool, True = may attend. Returns (B, S, d_model)."""
+        """x: embedded source (B, S, d_model); mask: (B, 1, S) bool, True = may attend.
+        Returns (B, S, d_model)."""
         if x.dim() != 3 or x.size(-1) != self.size:
-            raise ValueError(f"x must have shape (batch, length, {self.size}), got {tuple(x.shape)}")
+            raise ValueError(
+                f"x must have shape (batch, length, {self.size}), got {tuple(x.shape)}"
+            )
         for layer in self.layers:
             x = layer(x, mask)
         return self.norm(x)

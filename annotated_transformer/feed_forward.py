@@ -9,11 +9,12 @@ from torch import nn
 
 
 class PositionwiseFeedForward(nn.Module):
-    """The position-wise feed-forward network of section 3.3, equation 2: ``w_2(dropout(relu(w_1(x))))``.
+    """The position-wise feed-forward network of section 3.3, equation 2:
+    ``w_2(dropout(relu(w_1(x))))``.
 
-    The same two linear maps act on every position separately. Dropout acts on the hidden activations (the paper
-    does not say so; the authors' tensor2tensor does it, as ``relu_dropout``, and so does
-    ``nn.TransformerEncoderLayer``).
+    The same two linear maps act on every position separately. Dropout acts on the
+    hidden activations (the paper does not say so; the authors' tensor2tensor does it,
+    as ``relu_dropout``, and so does ``nn.TransformerEncoderLayer``).
     """
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1):
@@ -28,5 +29,8 @@ class PositionwiseFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.size(-1) != self.d_model:
-            raise ValueError(f"the input's last dimension must be d_model={self.d_model}, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"the input's last dimension must be d_model={self.d_model}, got shape "
+                f"{tuple(x.shape)}"
+            )
         return self.w_2(self.dropout(self.w_1(x).relu()))

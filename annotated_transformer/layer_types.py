@@ -10,14 +10,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from annotated_transformer.measure import MIB, peak_memory_bytes, saved_tensor_bytes, time_side_by_side
+from annotated_transformer.measure import (
+    MIB,
+    peak_memory_bytes,
+    saved_tensor_bytes,
+    time_side_by_side,
+)
 
 
 LAYER_KINDS = ("self-attention", "recurrent", "convolutional", "restricted")
 
 
 class SelfAttentionCore(nn.Module):
-    """softmax(X Xᵀ / √d) X, one head, no projections: the part of self-attention that Table 1 counts."""
+    """softmax(X Xᵀ / √d) X, one head, no projections: the part of self-attention that
+    Table 1 counts."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.unsqueeze(1)  # (B, 1, n, d): one head
@@ -49,8 +55,9 @@ class Convolution(nn.Module):
 class RestrictedSelfAttention(nn.Module):
     """Self-attention restricted to a neighbourhood (Table 1, last row), O(r n d) work.
 
-    The sequence is cut into blocks of ``r`` positions; each block attends to itself and to its two neighbouring
-    blocks (3r keys, fewer at the ends). The length must be a multiple of ``r``.
+    The sequence is cut into blocks of ``r`` positions; each block attends to itself and
+    to its two neighbouring blocks (3r keys, fewer at the ends). The length must be a
+    multiple of ``r``.
     """
 
     def __init__(self, r: int):
@@ -63,16 +70,23 @@ class RestrictedSelfAttention(nn.Module):
         if n % r:
             raise ValueError(f"the sequence length ({n}) must be a multiple of r ({r})")
         blocks = x.view(batch, n // r, r, d)
-        padded = F.pad(blocks, (0, 0, 0, 0, 1, 1))                          # an empty block at each end
-        keys = torch.cat([padded[:, :-2], blocks, padded[:, 2:]], dim=2)    # (B, n / r, 3r, d)
+        # an empty block at each end
+        padded = F.pad(blocks, (0, 0, 0, 0, 1, 1))
+        # (B, n / r, 3r, d)
+        keys = torch.cat([padded[:, :-2], blocks, padded[:, 2:]], dim=2)
         mask = torch.ones(n // r, 1, 3 * r, dtype=torch.bool, device=x.device)
-        mask[0, :, :r] = False                                              # no block before the first
-        mask[-1, :, 2 * r:] = False                                         # no block after the last
-        return F.scaled_dot_product_attention(blocks, keys, keys, attn_mask=mask).reshape(batch, n, d)
+        # no block before the first
+        mask[0, :, :r] = False
+        # no block after the last
+        mask[-1, :, 2 * r:] = False
+        return F.scaled_dot_product_attention(
+            blocks, keys, keys, attn_mask=mask
+        ).reshape(batch, n, d)
 
 
 def make_layer(kind: str, d: int, k: int = 3, r: int = 16) -> nn.Module:
-    """One of the ``LAYER_KINDS`` for sequences of width ``d`` (kernel size ``k``, neighbourhood ``r``)."""
+    """One of the ``LAYER_KINDS`` for sequences of width ``d`` (kernel size ``k``,
+    neighbourhood ``r``)."""
     if kind == "self-attention":
         return SelfAttentionCore()
     if kind == "recurrent":
@@ -84,11 +98,15 @@ def make_layer(kind: str, d: int, k: int = 3, r: int = 16) -> nn.Module:
     raise ValueError(f"kind must be one of {LAYER_KINDS}, got {kind!r}")
 
 
-def layer_flops(kind: str, n: int, d: int, batch: int = 1, k: int = 3, r: int = 16) -> int:
-    """FLOPs (2 per multiply-add) of one forward pass of ``make_layer(kind, d, k, r)`` on (batch, n, d).
+def layer_flops(
+    kind: str, n: int, d: int, batch: int = 1, k: int = 3, r: int = 16
+) -> int:
+    """FLOPs (2 per multiply-add) of one forward pass of ``make_layer(kind, d, k, r)``
+    on (batch, n, d).
 
-    Self-attention: Q Kᵀ and the weighted sum, 2 n² d multiply-adds; recurrent: W_ih x_t and W_hh h_{t-1},
-    2 n d²; convolutional: k n d²; restricted: 2 n (3r) d. The orders of Table 1.
+    Self-attention: Q Kᵀ and the weighted sum, 2 n² d multiply-adds; recurrent: W_ih x_t
+    and W_hh h_{t-1}, 2 n d²; convolutional: k n d²; restricted: 2 n (3r) d. The orders
+    of Table 1.
     """
     if kind == "self-attention":
         macs = 2 * n * n * d
@@ -103,13 +121,25 @@ def layer_flops(kind: str, n: int, d: int, batch: int = 1, k: int = 3, r: int = 
     return 2 * batch * macs
 
 
-def layer_sweep(lengths, widths, batch: int = 8, kinds=LAYER_KINDS, device="cpu", dtype=torch.float32,
-                repeat: int = 5, k: int = 3, r: int = 16, clock: str = "wall") -> list[dict]:
-    """Time one forward pass of each layer kind for every sequence length n in ``lengths`` and width d in ``widths``.
+def layer_sweep(
+    lengths,
+    widths,
+    batch: int = 8,
+    kinds=LAYER_KINDS,
+    device="cpu",
+    dtype=torch.float32,
+    repeat: int = 5,
+    k: int = 3,
+    r: int = 16,
+    clock: str = "wall",
+) -> list[dict]:
+    """Time one forward pass of each layer kind for every sequence length n in
+    ``lengths`` and width d in ``widths``.
 
-    Each row: kind, n, d, batch, milliseconds, FLOPs, FLOP/s, the bytes autograd keeps for backward beyond the
-    input and the weights (``saved_bytes``), and on CUDA the peak memory of a forward pass with gradients.
-    The restricted layer uses r' = min(r, n).
+    Each row: kind, n, d, batch, milliseconds, FLOPs, FLOP/s, the bytes autograd keeps
+    for backward beyond the input and the weights (``saved_bytes``), and on CUDA the
+    peak memory of a forward pass with gradients. The restricted layer uses r' = min(r,
+    n).
     """
     device = torch.device(device)
     rows = []
@@ -117,26 +147,50 @@ def layer_sweep(lengths, widths, batch: int = 8, kinds=LAYER_KINDS, device="cpu"
         for n in lengths:
             torch.manual_seed(0)
             x = torch.randn(batch, n, d, device=device, dtype=dtype)
-            layers = {kind: make_layer(kind, d, k, min(r, n)).to(device, dtype) for kind in kinds}
+            layers = {
+                kind: make_layer(kind, d, k, min(r, n)).to(device, dtype)
+                for kind in kinds
+            }
             with torch.no_grad():
-                times = time_side_by_side({kind: lambda layer=layer: layer(x) for kind, layer in layers.items()},
-                                          device, repeat=repeat, warmup=1, clock=clock)
+                times = time_side_by_side(
+                    {
+                        kind: lambda layer=layer: layer(x)
+                        for kind, layer in layers.items()
+                    },
+                    device,
+                    repeat=repeat,
+                    warmup=1,
+                    clock=clock,
+                )
             x.requires_grad_(True)
             for kind, layer in layers.items():
                 exclude = [x, *layer.parameters()]
                 seconds = statistics.median(times[kind])
                 flops = layer_flops(kind, n, d, batch, k, min(r, n))
-                rows.append(dict(
-                    kind=kind, n=n, d=d, batch=batch, dtype=str(dtype).replace("torch.", ""), ms=1e3 * seconds,
-                    flops=flops, flops_per_s=flops / seconds,
-                    saved_bytes=saved_tensor_bytes(lambda: layer(x), exclude),
-                    peak_bytes=peak_memory_bytes(lambda: layer(x), device),
-                ))
+                rows.append(
+                    dict(
+                        kind=kind,
+                        n=n,
+                        d=d,
+                        batch=batch,
+                        dtype=str(dtype).replace("torch.", ""),
+                        ms=1e3 * seconds,
+                        flops=flops,
+                        flops_per_s=flops / seconds,
+                        saved_bytes=saved_tensor_bytes(lambda: layer(x), exclude),
+                        peak_bytes=peak_memory_bytes(lambda: layer(x), device),
+                    )
+                )
     return rows
 
 
 LAYER_COLUMNS = [
-    ("layer", "kind", "{}"), ("n", "n", "{}"), ("d", "d", "{}"), ("ms", "ms", "{:.3f}"),
-    ("GFLOP", "flops", "{:.3f}", 1e9), ("GFLOP/s", "flops_per_s", "{:.1f}", 1e9),
-    ("saved MiB", "saved_bytes", "{:.2f}", MIB), ("peak MiB", "peak_bytes", "{:.1f}", MIB),
+    ("layer", "kind", "{}"),
+    ("n", "n", "{}"),
+    ("d", "d", "{}"),
+    ("ms", "ms", "{:.3f}"),
+    ("GFLOP", "flops", "{:.3f}", 1e9),
+    ("GFLOP/s", "flops_per_s", "{:.1f}", 1e9),
+    ("saved MiB", "saved_bytes", "{:.2f}", MIB),
+    ("peak MiB", "peak_bytes", "{:.1f}", MIB),
 ]

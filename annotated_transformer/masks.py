@@ -12,14 +12,24 @@ from annotated_transformer.runtime import as_int
 def _check_tokens(tokens, name: str) -> None:
     """Token ids must be a 2-D (batch, length) integer tensor."""
     if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}"
+        )
     if tokens.dim() != 2:
-        raise ValueError(f"{name} must have shape (batch, length), got shape {tuple(tokens.shape)}")
-    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(
+            f"{name} must have shape (batch, length), got shape {tuple(tokens.shape)}"
+        )
+    if (
+        tokens.dtype.is_floating_point
+        or tokens.dtype.is_complex
+        or tokens.dtype == torch.bool
+    ):
         raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
 
 
-def subsequent_mask(size: int, device: torch.device | str | None = None) -> torch.Tensor:
+def subsequent_mask(
+    size: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The causal mask of section 3.2.3, shape (1, size, size), bool.
 
     Entry [0, i, j] is True when query i may attend to key j, that is when j <= i.
@@ -33,8 +43,9 @@ def subsequent_mask(size: int, device: torch.device | str | None = None) -> torc
 def padding_mask(tokens: torch.Tensor, pad: int) -> torch.Tensor:
     """The padding mask of a (B, S) batch of token ids, shape (B, 1, S), bool.
 
-    Entry [b, 0, j] is True when token j of sentence b is a real token (not ``pad``); the axis of
-    size 1 broadcasts over the queries, so padding is masked as a *key* for every query.
+    Entry [b, 0, j] is True when token j of sentence b is a real token (not ``pad``);
+    the axis of size 1 broadcasts over the queries, so padding is masked as a *key* for
+    every query.
     """
     _check_tokens(tokens, "tokens")
     pad = as_int(pad, "pad")
@@ -42,9 +53,11 @@ def padding_mask(tokens: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def target_mask(tgt: torch.Tensor, pad: int) -> torch.Tensor:
-    """The decoder self-attention mask of a (B, T) batch of target ids, shape (B, T, T), bool.
+    """The decoder self-attention mask of a (B, T) batch of target ids, shape (B, T, T),
+    bool.
 
-    Entry [b, i, j] is True when query i may attend to key j: j <= i and token j is not ``pad``.
+    Entry [b, i, j] is True when query i may attend to key j: j <= i and token j is not
+    ``pad``.
     """
     _check_tokens(tgt, "tgt")
     return padding_mask(tgt, pad) & subsequent_mask(tgt.size(-1), device=tgt.device)

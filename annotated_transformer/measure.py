@@ -23,19 +23,29 @@ def synchronize(device) -> None:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def time_side_by_side(fns: dict[str, Callable[[], object]], device="cpu", repeat: int = 5,
-                      warmup: int = 1, clock: str = "wall") -> dict[str, list[float]]:
-    """Seconds per call of each function in ``fns``, measured ``repeat`` times in interleaved rounds.
+def time_side_by_side(
+    fns: dict[str, Callable[[], object]],
+    device="cpu",
+    repeat: int = 5,
+    warmup: int = 1,
+    clock: str = "wall",
+) -> dict[str, list[float]]:
+    """Seconds per call of each function in ``fns``, measured ``repeat`` times in
+    interleaved rounds.
 
-    Each function first runs ``warmup`` times untimed. Every round then calls each function once, in an order that
-    alternates from round to round (A B, B A, ...), so that a change in the machine's load affects all of them
-    alike. ``clock`` is "wall" (elapsed time) or "cpu" (this process's CPU time: steadier on a busy machine, for
-    single-threaded CPU work only). Returns ``{name: [seconds in round 1, round 2, ...]}``.
+    Each function first runs ``warmup`` times untimed. Every round then calls each
+    function once, in an order that alternates from round to round (A B, B A, ...), so
+    that a change in the machine's load affects all of them alike. ``clock`` is "wall"
+    (elapsed time) or "cpu" (this process's CPU time: steadier on a busy machine, for
+    single-threaded CPU work only). Returns ``{name: [seconds in round 1, round 2,
+    ...]}``.
     """
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {list(CLOCKS)}, got {clock!r}")
     if clock == "cpu" and torch.device(device).type != "cpu":
-        raise ValueError(f"the cpu clock cannot time work on {device}: use clock='wall'")
+        raise ValueError(
+            f"the cpu clock cannot time work on {device}: use clock='wall'"
+        )
     now = CLOCKS[clock]
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"repeat must be a positive int, got {repeat!r}")
@@ -85,21 +95,24 @@ class LargestTensor(TorchDispatchMode):
 
 
 def largest_tensor_bytes(fn: Callable[[], object]) -> int:
-    """Bytes of the largest new tensor one ATen operator makes in ``fn()``, views aside."""
+    """Bytes of the largest new tensor one ATen operator makes in ``fn()``, views
+    aside."""
     with LargestTensor() as mode:
         fn()
     return mode.nbytes
 
 
 def saved_tensor_bytes(fn: Callable[[], object], exclude=()) -> int:
-    """Bytes that autograd keeps for the backward pass while ``fn()`` runs (each storage counted once).
+    """Bytes that autograd keeps for the backward pass while ``fn()`` runs (each storage
+    counted once).
 
-    Tensors in ``exclude`` (typically the parameters and the input, which exist anyway) are not counted. ``fn``
-    must run with gradients enabled.
+    Tensors in ``exclude`` (typically the parameters and the input, which exist anyway)
+    are not counted. ``fn`` must run with gradients enabled.
     """
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     kept: dict[int, int] = {}
-    alive = []  # keep every saved tensor alive, so that no address is reused while we count
+    # keep every saved tensor alive, so that no address is reused while we count
+    alive = []
 
     def pack(tensor):
         storage = tensor.untyped_storage()
@@ -114,7 +127,8 @@ def saved_tensor_bytes(fn: Callable[[], object], exclude=()) -> int:
 
 
 def peak_memory_bytes(fn: Callable[[], object], device) -> int | None:
-    """Peak GPU memory allocated while ``fn()`` runs, above what was allocated before. None off CUDA."""
+    """Peak GPU memory allocated while ``fn()`` runs, above what was allocated before.
+    None off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -130,7 +144,8 @@ MIB = 2**20
 
 
 def format_table(rows: list[dict], columns) -> str:
-    """Rows of dictionaries as an aligned text table; ``columns`` are (header, key, format[, divisor])."""
+    """Rows of dictionaries as an aligned text table; ``columns`` are (header, key,
+    format[, divisor])."""
     cells = [[header for header, *_ in columns]]
     for row in rows:
         line = []
@@ -142,7 +157,12 @@ def format_table(rows: list[dict], columns) -> str:
                 line.append(fmt.format(value / divisor[0] if divisor else value))
         cells.append(line)
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    text = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-            for line in cells]
+    text = [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(line, widths))
+        )
+        for line in cells
+    ]
     text.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(text)

@@ -22,9 +22,11 @@ EMBEDDING_INITS = ("normal", "xavier")
 
 
 class Embed(nn.Module):
-    """Token embedding (scaled by sqrt(d_model)) plus positional encoding: (B, T) ids -> (B, T, d_model).
+    """Token embedding (scaled by sqrt(d_model)) plus positional encoding: (B, T) ids ->
+    (B, T, d_model).
 
-    ``offset`` is the position of ``tokens[:, 0]`` in the sequence (non-zero when decoding with a cache).
+    ``offset`` is the position of ``tokens[:, 0]`` in the sequence (non-zero when
+    decoding with a cache).
     """
 
     def __init__(self, embeddings: Embeddings, position: PositionalEncoding):
@@ -37,14 +39,22 @@ class Embed(nn.Module):
 
 
 class EncoderDecoder(nn.Module):
-    """The Transformer of section 3: an encoder, a decoder, their input embeddings and the generator.
+    """The Transformer of section 3: an encoder, a decoder, their input embeddings and
+    the generator.
 
-    ``forward(src, tgt, src_mask, tgt_mask)`` returns decoder states (B, T, d_model); apply ``generator`` to get
-    log-probabilities over the target vocabulary. ``config`` holds the arguments of ``make_model`` (or None).
+    ``forward(src, tgt, src_mask, tgt_mask)`` returns decoder states (B, T, d_model);
+    apply ``generator`` to get log-probabilities over the target vocabulary. ``config``
+    holds the arguments of ``make_model`` (or None).
     """
 
-    def __init__(self, encoder: Encoder, decoder: Decoder, src_embed: Embed, tgt_embed: Embed,
-                 generator: Generator):
+    def __init__(
+        self,
+        encoder: Encoder,
+        decoder: Decoder,
+        src_embed: Embed,
+        tgt_embed: Embed,
+        generator: Generator,
+    ):
         super().__init__()
         self.encoder, self.decoder = encoder, decoder
         self.src_embed, self.tgt_embed = src_embed, tgt_embed
@@ -52,18 +62,25 @@ class EncoderDecoder(nn.Module):
         self.config: dict | None = None
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None) -> torch.Tensor:
-        """src: (B, S) token ids; src_mask: (B, 1, S), True = may attend. Returns the memory (B, S, d_model)."""
+        """src: (B, S) token ids; src_mask: (B, 1, S), True = may attend. Returns the
+        memory (B, S, d_model)."""
         return self.encoder(self.src_embed(src), src_mask)
 
-    def decode(self, memory, src_mask, tgt, tgt_mask, cache: DecoderCache | None = None) -> torch.Tensor:
-        """tgt: (B, T) token ids; tgt_mask: (B, T, T), True = may attend. With a cache, tgt holds only the new
-        tokens, at positions len(cache) onwards, and tgt_mask may be None for one new
-        token (DecoderLayer refuses several without a mask). Returns (B, T, d_model)."""
+    def decode(
+        self, memory, src_mask, tgt, tgt_mask, cache: DecoderCache | None = None
+    ) -> torch.Tensor:
+        """tgt: (B, T) token ids; tgt_mask: (B, T, T), True = may attend. With a cache,
+        tgt holds only the new tokens, at positions len(cache) onwards, and tgt_mask may
+        be None for one new token (DecoderLayer refuses several without a mask). Returns
+        (B, T, d_model)."""
         offset = 0 if cache is None else len(cache)
-        return self.decoder(self.tgt_embed(tgt, offset), memory, src_mask, tgt_mask, cache)
+        return self.decoder(
+            self.tgt_embed(tgt, offset), memory, src_mask, tgt_mask, cache
+        )
 
     def forward(self, src, tgt, src_mask, tgt_mask) -> torch.Tensor:
-        """Encode ``src`` and decode ``tgt`` (teacher forcing). Returns decoder states (B, T, d_model)."""
+        """Encode ``src`` and decode ``tgt`` (teacher forcing). Returns decoder states
+        (B, T, d_model)."""
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
 
 
@@ -74,19 +91,31 @@ def check_model_arguments(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, *,
                           norm_first, share_embeddings, embedding_init,
                           attention_dropout, activation_dropout) -> None:
     """Refuse the arguments of ``make_model`` that cannot build the model asked for."""
-    for name, value in (("src_vocab", src_vocab), ("tgt_vocab", tgt_vocab), ("N", N), ("d_model", d_model),
-                        ("d_ff", d_ff), ("h", h)):
+    for name, value in (
+        ("src_vocab", src_vocab),
+        ("tgt_vocab", tgt_vocab),
+        ("N", N),
+        ("d_model", d_model),
+        ("d_ff", d_ff),
+        ("h", h),
+    ):
         check_size(name, value)
     if d_model % h != 0:
-        raise ValueError(f"d_model ({d_model}) must be divisible by the number of heads h ({h})")
+        raise ValueError(
+            f"d_model ({d_model}) must be divisible by the number of heads h ({h})"
+        )
     for name, value in (("dropout", dropout), ("attention_dropout", attention_dropout),
                         ("activation_dropout", activation_dropout)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+            raise TypeError(
+                f"{name} must be a float, got {type(value).__name__} {value!r}"
+            )
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
     if embedding_init not in EMBEDDING_INITS:
-        raise ValueError(f"embedding_init must be one of {EMBEDDING_INITS}, got {embedding_init!r}")
+        raise ValueError(
+            f"embedding_init must be one of {EMBEDDING_INITS}, got {embedding_init!r}"
+        )
     flags = {"norm_first": norm_first, "share_embeddings": share_embeddings}
     for name, flag in flags.items():
         if not isinstance(flag, bool):  # "False" is a true string: a silent pre-norm
@@ -94,7 +123,8 @@ def check_model_arguments(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, *,
             raise TypeError(f"{name} must be True or False, got {kind} {flag!r}")
     if share_embeddings and src_vocab != tgt_vocab:
         raise ValueError(
-            f"share_embeddings=True needs one shared vocabulary, but src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
+            "share_embeddings=True needs one shared vocabulary, but "
+            f"src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
         )
     weights = (d_model * (src_vocab + 2 * tgt_vocab)
                + N * d_model * (12 * d_model + 4 * d_ff))  # about what the layers hold
@@ -106,19 +136,31 @@ def check_model_arguments(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, *,
             f"more than this machine's memory ({memory / 2**30:.0f} GiB) can hold")
 
 
-def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048, h: int = 8,
-               dropout: float = 0.1, *, norm_first: bool = False, share_embeddings: bool = False,
-               embedding_init: str = "normal", attention_dropout: float | None = None,
-               activation_dropout: float | None = None) -> EncoderDecoder:
+def make_model(
+    src_vocab: int,
+    tgt_vocab: int,
+    N: int = 6,
+    d_model: int = 512,
+    d_ff: int = 2048,
+    h: int = 8,
+    dropout: float = 0.1,
+    *,
+    norm_first: bool = False,
+    share_embeddings: bool = False,
+    embedding_init: str = "normal",
+    attention_dropout: float | None = None,
+    activation_dropout: float | None = None,
+) -> EncoderDecoder:
     """Build a Transformer (defaults: the paper's base model).
 
-    ``norm_first=False`` is the paper's post-norm, ``True`` pre-norm. ``share_embeddings=True`` ties the source
-    embedding, the target embedding and the generator's weight (section 3.4); it needs src_vocab == tgt_vocab.
-    Weight matrices are Xavier-initialised; the embedding tables are then redrawn from N(0, 1/d_model)
-    (``embedding_init="normal"``, the default) or left Xavier like every other matrix (``"xavier"``).
-    ``dropout`` is the paper's residual dropout; ``attention_dropout`` (on the attention weights) and
-    ``activation_dropout`` (inside the feed-forward network) default to it. The arguments are kept in
-    ``model.config``.
+    ``norm_first=False`` is the paper's post-norm, ``True`` pre-norm.
+    ``share_embeddings=True`` ties the source embedding, the target embedding and the
+    generator's weight (section 3.4); it needs src_vocab == tgt_vocab. Weight matrices
+    are Xavier-initialised; the embedding tables are then redrawn from N(0, 1/d_model)
+    (``embedding_init="normal"``, the default) or left Xavier like every other matrix
+    (``"xavier"``). ``dropout`` is the paper's residual dropout; ``attention_dropout``
+    (on the attention weights) and ``activation_dropout`` (inside the feed-forward
+    network) default to it. The arguments are kept in ``model.config``.
     """
     attention_dropout = dropout if attention_dropout is None else attention_dropout
     activation_dropout = dropout if activation_dropout is None else activation_dropout
@@ -128,8 +170,14 @@ def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d
     ff = PositionwiseFeedForward(d_model, d_ff, activation_dropout)
     position = PositionalEncoding(d_model, dropout)
     model = EncoderDecoder(
-        Encoder(EncoderLayer(d_model, c(attn), c(ff), dropout, norm_first), N, norm_first),
-        Decoder(DecoderLayer(d_model, c(attn), c(attn), c(ff), dropout, norm_first), N, norm_first),
+        Encoder(
+            EncoderLayer(d_model, c(attn), c(ff), dropout, norm_first), N, norm_first
+        ),
+        Decoder(
+            DecoderLayer(d_model, c(attn), c(attn), c(ff), dropout, norm_first),
+            N,
+            norm_first,
+        ),
         Embed(Embeddings(d_model, src_vocab), c(position)),
         Embed(Embeddings(d_model, tgt_vocab), c(position)),
         Generator(d_model, tgt_vocab),
@@ -144,8 +192,18 @@ def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d
         shared = model.tgt_embed.embeddings.lut.weight
         model.src_embed.embeddings.lut.weight = shared
         model.generator.proj.weight = shared
-    model.config = dict(src_vocab=src_vocab, tgt_vocab=tgt_vocab, N=N, d_model=d_model, d_ff=d_ff, h=h,
-                        dropout=float(dropout), norm_first=bool(norm_first), share_embeddings=bool(share_embeddings),
-                        embedding_init=embedding_init, attention_dropout=float(attention_dropout),
-                        activation_dropout=float(activation_dropout))
+    model.config = dict(
+        src_vocab=src_vocab,
+        tgt_vocab=tgt_vocab,
+        N=N,
+        d_model=d_model,
+        d_ff=d_ff,
+        h=h,
+        dropout=float(dropout),
+        norm_first=bool(norm_first),
+        share_embeddings=bool(share_embeddings),
+        embedding_init=embedding_init,
+        attention_dropout=float(attention_dropout),
+        activation_dropout=float(activation_dropout),
+    )
     return model

@@ -18,27 +18,48 @@ from annotated_transformer.beam_search import beam_search
 from annotated_transformer.decoding import greedy_decode
 from annotated_transformer.embeddings import Embeddings, Generator
 from annotated_transformer.masks import padding_mask, subsequent_mask, target_mask
-from annotated_transformer.measure import MIB, largest_tensor_bytes, peak_memory_bytes, time_side_by_side
+from annotated_transformer.measure import (
+    MIB,
+    largest_tensor_bytes,
+    peak_memory_bytes,
+    time_side_by_side,
+)
 from annotated_transformer.model import Embed, make_model
 from annotated_transformer.positional import PositionalEncoding
 
 
 class TorchTransformer(nn.Module):
-    """``nn.Transformer`` with the embeddings, positional encodings and generator of ``make_model``.
+    """``nn.Transformer`` with the embeddings, positional encodings and generator of
+    ``make_model``.
 
-    The same sizes and the same work as ``make_model(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout,
-    norm_first=...)``; used as the reference in the training benchmark. ``forward(src, tgt, pad)`` returns
-    log-probabilities (B, T, tgt_vocab).
+    The same sizes and the same work as ``make_model(src_vocab, tgt_vocab, N, d_model,
+    d_ff, h, dropout, norm_first=...)``; used as the reference in the training
+    benchmark. ``forward(src, tgt, pad)`` returns log-probabilities (B, T, tgt_vocab).
     """
 
-    def __init__(self, src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048,
-                 h: int = 8, dropout: float = 0.1, norm_first: bool = False):
+    def __init__(
+        self,
+        src_vocab: int,
+        tgt_vocab: int,
+        N: int = 6,
+        d_model: int = 512,
+        d_ff: int = 2048,
+        h: int = 8,
+        dropout: float = 0.1,
+        norm_first: bool = False,
+    ):
         super().__init__()
-        self.src_embed = Embed(Embeddings(d_model, src_vocab), PositionalEncoding(d_model, dropout))
-        self.tgt_embed = Embed(Embeddings(d_model, tgt_vocab), PositionalEncoding(d_model, dropout))
-        self.transformer = nn.Transformer(d_model, h, N, N, d_ff, dropout, batch_first=True,
-                                          norm_first=norm_first)
-        if not norm_first:  # the paper's post-norm stacks end with their last layer's LayerNorm
+        self.src_embed = Embed(
+            Embeddings(d_model, src_vocab), PositionalEncoding(d_model, dropout)
+        )
+        self.tgt_embed = Embed(
+            Embeddings(d_model, tgt_vocab), PositionalEncoding(d_model, dropout)
+        )
+        self.transformer = nn.Transformer(
+            d_model, h, N, N, d_ff, dropout, batch_first=True, norm_first=norm_first
+        )
+        # the paper's post-norm stacks end with their last layer's LayerNorm
+        if not norm_first:
             self.transformer.encoder.norm = None
             self.transformer.decoder.norm = None
         self.generator = Generator(d_model, tgt_vocab)
@@ -46,17 +67,27 @@ class TorchTransformer(nn.Module):
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
 
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor, pad: int = 0) -> torch.Tensor:
-        future = ~subsequent_mask(tgt.size(1), device=tgt.device)[0]  # True = may NOT attend
+    def forward(
+        self, src: torch.Tensor, tgt: torch.Tensor, pad: int = 0
+    ) -> torch.Tensor:
+        # True = may NOT attend
+        future = ~subsequent_mask(tgt.size(1), device=tgt.device)[0]
         out = self.transformer(
-            self.src_embed(src), self.tgt_embed(tgt), tgt_mask=future,
-            src_key_padding_mask=src == pad, tgt_key_padding_mask=tgt == pad, memory_key_padding_mask=src == pad,
+            self.src_embed(src),
+            self.tgt_embed(tgt),
+            tgt_mask=future,
+            src_key_padding_mask=src == pad,
+            tgt_key_padding_mask=tgt == pad,
+            memory_key_padding_mask=src == pad,
         )
         return self.generator(out)
 
 
-def random_batch(vocab: int, batch: int, src_len: int, tgt_len: int, device, seed: int = 0):
-    """Random source and target token ids in [1, vocab) (0 is padding): ``(src, tgt)`` of shapes (B, S), (B, T + 1)."""
+def random_batch(
+    vocab: int, batch: int, src_len: int, tgt_len: int, device, seed: int = 0
+):
+    """Random source and target token ids in [1, vocab) (0 is padding): ``(src, tgt)``
+    of shapes (B, S), (B, T + 1)."""
     generator = torch.Generator().manual_seed(seed)
     src = torch.randint(1, vocab, (batch, src_len), generator=generator)
     tgt = torch.randint(1, vocab, (batch, tgt_len + 1), generator=generator)
@@ -64,13 +95,17 @@ def random_batch(vocab: int, batch: int, src_len: int, tgt_len: int, device, see
 
 
 def autocast(device, dtype):
-    """bf16/fp16 autocast for a lower-precision ``dtype``; a context that does nothing for float32."""
+    """bf16/fp16 autocast for a lower-precision ``dtype``; a context that does nothing
+    for float32."""
     device = torch.device(device)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def make_train_step(model: nn.Module, forward: Callable, src, tgt, dtype, pad: int = 0) -> Callable[[], float]:
-    """One training step of ``model`` on the batch: forward (teacher forcing), NLL loss, backward, Adam step."""
+def make_train_step(
+    model: nn.Module, forward: Callable, src, tgt, dtype, pad: int = 0
+) -> Callable[[], float]:
+    """One training step of ``model`` on the batch: forward (teacher forcing), NLL loss,
+    backward, Adam step."""
     fused = src.device.type in ("cpu", "cuda")  # one kernel per update, as in training
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98),
                                  eps=1e-9, fused=fused)
@@ -79,8 +114,11 @@ def make_train_step(model: nn.Module, forward: Callable, src, tgt, dtype, pad: i
     def step():
         with autocast(src.device, dtype):
             log_probs = forward(src, tgt[:, :-1])
-        loss = F.nll_loss(log_probs.float().reshape(-1, log_probs.size(-1)), tgt[:, 1:].reshape(-1),
-                          ignore_index=pad)
+        loss = F.nll_loss(
+            log_probs.float().reshape(-1, log_probs.size(-1)),
+            tgt[:, 1:].reshape(-1),
+            ignore_index=pad,
+        )
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -89,22 +127,44 @@ def make_train_step(model: nn.Module, forward: Callable, src, tgt, dtype, pad: i
     return step
 
 
-def train_step_flops(config: dict, batch: int, src_len: int, tgt_len: int, attention_products: bool = True) -> int:
-    """FLOPs of one training step (forward and backward, 2 FLOPs per multiply-add) of ``make_model(**config)``.
+def train_step_flops(
+    config: dict,
+    batch: int,
+    src_len: int,
+    tgt_len: int,
+    attention_products: bool = True,
+) -> int:
+    """FLOPs of one training step (forward and backward, 2 FLOPs per multiply-add) of
+    ``make_model(**config)``.
 
-    ``config`` needs ``N``, ``d_model``, ``d_ff`` and ``tgt_vocab`` (as in ``model.config``). Counts the matrix
-    products: the weights and, with ``attention_products``, Q Kᵀ and the weighted sums of V. Backward = 2 x forward.
+    ``config`` needs ``N``, ``d_model``, ``d_ff`` and ``tgt_vocab`` (as in
+    ``model.config``). Counts the matrix products: the weights and, with
+    ``attention_products``, Q Kᵀ and the weighted sums of V. Backward = 2 x forward.
     """
     for name in ("N", "d_model", "d_ff", "tgt_vocab"):
         if name not in config:
-            raise ValueError(f"config must contain {name!r} (as model.config does), got keys {sorted(config)}")
-    N, d, d_ff, vocab = config["N"], config["d_model"], config["d_ff"], config["tgt_vocab"]
+            raise ValueError(
+                f"config must contain {name!r} (as model.config does), got keys "
+                f"{sorted(config)}"
+            )
+    N, d, d_ff, vocab = (
+        config["N"],
+        config["d_model"],
+        config["d_ff"],
+        config["tgt_vocab"],
+    )
     B, S, T = batch, src_len, tgt_len
     weights = (2 * B * S * N * (4 * d * d + 2 * d * d_ff)        # encoder layers
-               + 2 * B * T * N * (6 * d * d + 2 * d * d_ff)      # decoder layers, on target positions
-               + 2 * B * S * N * 2 * d * d                       # cross-attention keys and values, on the memory
-               + 2 * B * T * d * vocab)                          # generator
-    products = 2 * B * N * (2 * S * S * d + 2 * T * T * d + 2 * T * S * d) if attention_products else 0
+               # decoder layers, on target positions
+               + 2 * B * T * N * (6 * d * d + 2 * d * d_ff)
+               # cross-attention keys and values, on the memory
+               + 2 * B * S * N * 2 * d * d
+               + 2 * B * T * d * vocab)  # generator
+    products = (
+        2 * B * N * (2 * S * S * d + 2 * T * T * d + 2 * T * S * d)
+        if attention_products
+        else 0
+    )
     return 3 * (weights + products)
 
 
@@ -121,20 +181,27 @@ PEAK_BF16_FLOPS = {  # dense bf16 tensor-core peak in FLOP/s; sparsity not count
 
 
 def peak_flops(device_name: str, dtype=torch.bfloat16) -> float | None:
-    """The dense bf16/fp16 peak FLOP/s of a GPU named ``device_name`` (e.g. "NVIDIA H100 80GB HBM3"), or None.
+    """The dense bf16/fp16 peak FLOP/s of a GPU named ``device_name`` (e.g. "NVIDIA H100
+    80GB HBM3"), or None.
 
-    None for an unknown device and for float32, whose peak is much lower and not in the table.
+    None for an unknown device and for float32, whose peak is much lower and not in the
+    table.
     """
     if dtype not in (torch.bfloat16, torch.float16):
         return None
     for key, value in PEAK_BF16_FLOPS.items():
-        if re.search(rf"(?<![\w-]){re.escape(key)}(?![\w])", device_name, flags=re.IGNORECASE):
+        if re.search(
+            rf"(?<![\w-]){re.escape(key)}(?![\w])", device_name, flags=re.IGNORECASE
+        ):
             return value
     return None
 
 
-def mfu(flops_per_step: float, seconds_per_step: float, peak: float | None) -> float | None:
-    """Model FLOPs utilisation: achieved FLOP/s over the device's peak (None when the peak is unknown)."""
+def mfu(
+    flops_per_step: float, seconds_per_step: float, peak: float | None
+) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over the device's peak (None when the
+    peak is unknown)."""
     if seconds_per_step <= 0:
         raise ValueError(f"seconds_per_step must be positive, got {seconds_per_step}")
     if peak is None:
@@ -203,46 +270,80 @@ def training_throughput(config: dict, batch: int, src_len: int, tgt_len: int,
     return row
 
 
-def attention_sweep(lengths, batch: int = 1, heads: int = 8, d_k: int = 64, device="cpu",
-                    dtype=torch.float32, repeat: int = 3, clock: str = "wall") -> list[dict]:
-    """Time the explicit ``attention`` against ``F.scaled_dot_product_attention`` (forward, no mask) as n grows.
+def attention_sweep(
+    lengths,
+    batch: int = 1,
+    heads: int = 8,
+    d_k: int = 64,
+    device="cpu",
+    dtype=torch.float32,
+    repeat: int = 3,
+    clock: str = "wall",
+) -> list[dict]:
+    """Time the explicit ``attention`` against ``F.scaled_dot_product_attention``
+    (forward, no mask) as n grows.
 
-    For each length n: milliseconds of each, the bytes of one (B, h, n, n) score matrix, the largest tensor each
-    creates (measured) and, on CUDA, the peak memory of each.
+    For each length n: milliseconds of each, the bytes of one (B, h, n, n) score matrix,
+    the largest tensor each creates (measured) and, on CUDA, the peak memory of each.
     """
     device = torch.device(device)
     rows = []
     for n in lengths:
         torch.manual_seed(0)
-        q, k, v = torch.randn(3, batch, heads, n, d_k, device=device, dtype=dtype).unbind(0)
-        fns = {"explicit": lambda: attention(q, k, v), "fused": lambda: F.scaled_dot_product_attention(q, k, v)}
+        q, k, v = torch.randn(
+            3, batch, heads, n, d_k, device=device, dtype=dtype
+        ).unbind(0)
+        fns = {
+            "explicit": lambda: attention(q, k, v),
+            "fused": lambda: F.scaled_dot_product_attention(q, k, v),
+        }
         with torch.no_grad():
             times = time_side_by_side(fns, device, repeat=repeat, warmup=1, clock=clock)
             largest = {name: largest_tensor_bytes(fn) for name, fn in fns.items()}
             peak = {name: peak_memory_bytes(fn, device) for name, fn in fns.items()}
-        explicit_s, fused_s = statistics.median(times["explicit"]), statistics.median(times["fused"])
-        rows.append(dict(
-            n=n, batch=batch, heads=heads, d_k=d_k, explicit_ms=1e3 * explicit_s, fused_ms=1e3 * fused_s,
-            speedup=explicit_s / fused_s, scores_bytes=batch * heads * n * n * q.element_size(),
-            explicit_largest_bytes=largest["explicit"], fused_largest_bytes=largest["fused"],
-            explicit_peak_bytes=peak["explicit"], fused_peak_bytes=peak["fused"],
-        ))
+        explicit_s, fused_s = (
+            statistics.median(times["explicit"]),
+            statistics.median(times["fused"]),
+        )
+        rows.append(
+            dict(
+                n=n,
+                batch=batch,
+                heads=heads,
+                d_k=d_k,
+                explicit_ms=1e3 * explicit_s,
+                fused_ms=1e3 * fused_s,
+                speedup=explicit_s / fused_s,
+                scores_bytes=batch * heads * n * n * q.element_size(),
+                explicit_largest_bytes=largest["explicit"],
+                fused_largest_bytes=largest["fused"],
+                explicit_peak_bytes=peak["explicit"],
+                fused_peak_bytes=peak["fused"],
+            )
+        )
         del q, k, v
     return rows
 
 
 def online_softmax_attention(query, key, value, block_size: int = 64):
-    """Equation 1 computed over blocks of ``block_size`` keys with a running maximum and sum (online softmax).
+    """Equation 1 computed over blocks of ``block_size`` keys with a running maximum and
+    sum (online softmax).
 
-    query (..., T, d_k), key (..., S, d_k), value (..., S, d_v) -> (..., T, d_v), equal to
-    softmax(Q Kᵀ / √d_k) V, but never holding more than ``block_size`` scores per query: the idea behind
-    FlashAttention. No mask, no dropout.
+    query (..., T, d_k), key (..., S, d_k), value (..., S, d_v) -> (..., T, d_v), equal
+    to softmax(Q Kᵀ / √d_k) V, but never holding more than ``block_size`` scores per
+    query: the idea behind FlashAttention. No mask, no dropout.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int)
+        or block_size < 1
+    ):
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if key.size(-2) < 1 or key.shape[:-1] != value.shape[:-1]:
-        raise ValueError(f"key and value must have the same (..., S >= 1) shape, got {tuple(key.shape)} "
-                         f"and {tuple(value.shape)}")
+        raise ValueError(
+            "key and value must have the same (..., S >= 1) shape, got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
     scale = 1.0 / math.sqrt(query.size(-1))
     running_max = query.new_full((*query.shape[:-1], 1), float("-inf"))
     running_sum = query.new_zeros((*query.shape[:-1], 1))
@@ -250,7 +351,8 @@ def online_softmax_attention(query, key, value, block_size: int = 64):
     for start in range(0, key.size(-2), block_size):
         scores = query @ key[..., start:start + block_size, :].transpose(-2, -1) * scale
         new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
-        correction = torch.exp(running_max - new_max)      # rescale what was summed under the old maximum
+        # rescale what was summed under the old maximum
+        correction = torch.exp(running_max - new_max)
         p = torch.exp(scores - new_max)
         running_sum = running_sum * correction + p.sum(dim=-1, keepdim=True)
         weighted = weighted * correction + p @ value[..., start:start + block_size, :]
@@ -277,27 +379,49 @@ def decode_with(method, model, src, src_mask, max_len, start, end):
                          use_cache=method != "greedy, no cache", **options)
 
 
-def decoding_throughput(config: dict, batch_sizes=(1, 64), output_tokens=(16, 64), src_len: int = 16,
-                        device="cpu", dtype=torch.float32, repeat: int = 3, seed: int = 0,
-                        clock: str = "wall", methods=DECODING_METHODS) -> list[dict]:
+def decoding_throughput(
+    config: dict,
+    batch_sizes=(1, 64),
+    output_tokens=(16, 64),
+    src_len: int = 16,
+    device="cpu",
+    dtype=torch.float32,
+    repeat: int = 3,
+    seed: int = 0,
+    clock: str = "wall",
+    methods=DECODING_METHODS,
+) -> list[dict]:
     """Tokens per second of each of ``methods`` (see ``decode_with``), the first being
     "greedy, no cache".
 
-    The model is ``make_model`` with ``config`` (``N, d_model, d_ff, h, vocab``) and random weights. The end
-    symbol is forbidden, so every method generates exactly ``tokens`` tokens per sentence, for each number in
-    ``output_tokens``; beam search counts the tokens of the returned (best) hypothesis. One row per (method, batch
-    size, tokens), with ``speedup``: the median over rounds of t(greedy, no cache) / t(method).
-    The untimed warm-up call of a compiled method compiles its step.
+    The model is ``make_model`` with ``config`` (``N, d_model, d_ff, h, vocab``) and
+    random weights. The end symbol is forbidden, so every method generates exactly
+    ``tokens`` tokens per sentence, for each number in ``output_tokens``; beam search
+    counts the tokens of the returned (best) hypothesis. One row per (method, batch
+    size, tokens), with ``speedup``: the median over rounds of t(greedy, no cache) /
+    t(method). The untimed warm-up call of a compiled method compiles its step.
     """
     if not methods or methods[0] != "greedy, no cache":
         raise ValueError(f"methods must start with 'greedy, no cache', got {methods!r}")
     device = torch.device(device)
     vocab, start, end = config["vocab"], 1, 2
     torch.manual_seed(seed)
-    model = make_model(vocab, vocab, N=config["N"], d_model=config["d_model"], d_ff=config["d_ff"],
-                       h=config["h"], dropout=0.0).to(device).eval()
+    model = (
+        make_model(
+            vocab,
+            vocab,
+            N=config["N"],
+            d_model=config["d_model"],
+            d_ff=config["d_ff"],
+            h=config["h"],
+            dropout=0.0,
+        )
+        .to(device)
+        .eval()
+    )
     with torch.no_grad():
-        model.generator.proj.bias[end] = -1e4  # never end early: every run decodes exactly `tokens` tokens
+        # never end early: every run decodes exactly `tokens` tokens
+        model.generator.proj.bias[end] = -1e4
     rows = []
     for batch in batch_sizes:
         src, _ = random_batch(vocab, batch, src_len, 1, device, seed)
@@ -314,9 +438,18 @@ def decoding_throughput(config: dict, batch_sizes=(1, 64), output_tokens=(16, 64
                 seconds = statistics.median(times[method])
                 ratios = (u / t for u, t in zip(reference, times[method]))
                 speedup = statistics.median(ratios)
-                rows.append(dict(method=method, batch=batch, src_len=src_len, tokens=tokens, max_len=tokens + 1,
-                                 tokens_per_s=batch * tokens / seconds, ms_per_step=1e3 * seconds / tokens,
-                                 speedup=speedup))
+                rows.append(
+                    dict(
+                        method=method,
+                        batch=batch,
+                        src_len=src_len,
+                        tokens=tokens,
+                        max_len=tokens + 1,
+                        tokens_per_s=batch * tokens / seconds,
+                        ms_per_step=1e3 * seconds / tokens,
+                        speedup=speedup,
+                    )
+                )
     return rows
 
 

@@ -10,18 +10,26 @@ from torch import nn
 from annotated_transformer.runtime import check_size
 
 
-def sinusoid_table(max_len: int, d_model: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The positional encodings of section 3.5 for positions ``0 .. max_len - 1``: a ``(max_len, d_model)`` tensor.
+def sinusoid_table(
+    max_len: int, d_model: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The positional encodings of section 3.5 for positions ``0 .. max_len - 1``: a
+    ``(max_len, d_model)`` tensor.
 
-    Column ``2i`` holds ``sin(pos / 10000**(2i / d_model))`` and column ``2i + 1`` the cosine of the same angle.
-    Computed in float64 and returned as ``dtype``. ``d_model`` must be even (the columns come in pairs).
+    Column ``2i`` holds ``sin(pos / 10000**(2i / d_model))`` and column ``2i + 1`` the
+    cosine of the same angle. Computed in float64 and returned as ``dtype``. ``d_model``
+    must be even (the columns come in pairs).
     """
     check_size("max_len", max_len)
     check_size("d_model", d_model)
     if d_model % 2:
-        raise ValueError(f"d_model must be even for sinusoidal positions (sine and cosine pairs), got {d_model}")
+        raise ValueError(
+            "d_model must be even for sinusoidal positions (sine and cosine pairs), "
+            f"got {d_model}"
+        )
     position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
-    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # 0, 2, 4, ..., d_model - 2
+    # 0, 2, 4, ..., d_model - 2
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
     angle = position / 10000.0 ** (two_i / d_model)  # (max_len, d_model / 2)
     table = torch.zeros(max_len, d_model, dtype=torch.float64)
     table[:, 0::2] = torch.sin(angle)
@@ -30,18 +38,25 @@ def sinusoid_table(max_len: int, d_model: int, dtype: torch.dtype = torch.float3
 
 
 def check_positions(x: torch.Tensor, offset: int, d_model: int, max_len: int) -> None:
-    """Check that ``x`` is ``(batch, length, d_model)`` and positions ``offset .. offset + length - 1`` exist."""
+    """Check that ``x`` is ``(batch, length, d_model)`` and positions ``offset .. offset
+    + length - 1`` exist."""
     if x.dim() != 3 or x.size(-1) != d_model:
-        raise ValueError(f"x must have shape (batch, length, d_model={d_model}), got {tuple(x.shape)}")
+        raise ValueError(
+            f"x must have shape (batch, length, d_model={d_model}), got "
+            f"{tuple(x.shape)}"
+        )
     if isinstance(offset, torch.Tensor) and offset.dim() == 0 and offset.dtype in (
             torch.int64, torch.int32):
         return  # a position tensor: comparing it with max_len would wait for its value
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"offset must be a non-negative int (the position of x[:, 0]), got {offset!r}")
+        raise ValueError(
+            "offset must be a non-negative int (the position of x[:, 0]), got "
+            f"{offset!r}"
+        )
     if offset + x.size(1) > max_len:
         raise ValueError(
-            f"positions {offset}..{offset + x.size(1) - 1} exceed the positional table (max_len={max_len}); "
-            f"build the module with a larger max_len"
+            f"positions {offset}..{offset + x.size(1) - 1} exceed the positional table "
+            f"(max_len={max_len}); build the module with a larger max_len"
         )
 
 
@@ -55,17 +70,21 @@ def table_rows(table: torch.Tensor, offset, length: int) -> torch.Tensor:
 
 
 class PositionalEncoding(nn.Module):
-    """Add the sinusoidal positional encodings of section 3.5, then apply dropout (section 5.4).
+    """Add the sinusoidal positional encodings of section 3.5, then apply dropout
+    (section 5.4).
 
-    ``forward(x, offset=0)``: ``x`` is ``(batch, length, d_model)``; row ``t`` gets the encoding of position
-    ``offset + t``. Positions must stay below ``max_len``. The output has the dtype of ``x``.
+    ``forward(x, offset=0)``: ``x`` is ``(batch, length, d_model)``; row ``t`` gets the
+    encoding of position ``offset + t``. Positions must stay below ``max_len``. The
+    output has the dtype of ``x``.
     """
 
     def __init__(self, d_model: int, dropout: float, max_len: int = 5000):
         super().__init__()
         self.d_model, self.max_len = d_model, max_len
         self.dropout = nn.Dropout(dropout)
-        self.register_buffer("pe", sinusoid_table(max_len, d_model).unsqueeze(0), persistent=False)
+        self.register_buffer(
+            "pe", sinusoid_table(max_len, d_model).unsqueeze(0), persistent=False
+        )
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         check_positions(x, offset, self.d_model, self.max_len)
@@ -73,10 +92,12 @@ class PositionalEncoding(nn.Module):
 
 
 class LearnedPositionalEmbedding(nn.Module):
-    """Learned absolute positions (Table 3 row (E) of the paper): a trainable ``(max_len, d_model)`` table.
+    """Learned absolute positions (Table 3 row (E) of the paper): a trainable
+    ``(max_len, d_model)`` table.
 
-    Same interface as ``PositionalEncoding``: ``forward(x, offset=0)`` adds rows ``offset .. offset + length - 1``
-    to ``x`` of shape ``(batch, length, d_model)`` and applies dropout. Positions must stay below ``max_len``.
+    Same interface as ``PositionalEncoding``: ``forward(x, offset=0)`` adds rows
+    ``offset .. offset + length - 1`` to ``x`` of shape ``(batch, length, d_model)`` and
+    applies dropout. Positions must stay below ``max_len``.
     """
 
     def __init__(self, d_model: int, dropout: float, max_len: int):

@@ -45,59 +45,109 @@ def run_experiment(config, checkpoint_dir, *, device=None, amp=None,
 
 
 def write_json(path, data) -> Path:
-    """Write ``data`` as indented UTF-8 JSON, atomically (``write_atomically`` of the checkpoints chapter)."""
+    """Write ``data`` as indented UTF-8 JSON, atomically (``write_atomically`` of the
+    checkpoints chapter)."""
     text = json.dumps(data, indent=1, ensure_ascii=False) + "\n"
     return write_atomically(path, lambda stream: stream.write(text), mode="w")
 
 
 def write_results(path, results: dict) -> Path:
-    """Write a run's ``results`` as JSON, without the full lists of hypotheses (kept in memory only)."""
+    """Write a run's ``results`` as JSON, without the full lists of hypotheses (kept in
+    memory only)."""
     def strip(value):
         if isinstance(value, dict):
-            return {key: strip(item) for key, item in value.items() if key != "hypotheses"}
+            return {
+                key: strip(item) for key, item in value.items() if key != "hypotheses"
+            }
         return value
 
     return write_json(path, strip(results))
 
 
 def thin(history: dict, points: int = 400) -> dict:
-    """The training history averaged over windows, at most ``points`` points: small enough for a results file."""
+    """The training history averaged over windows, at most ``points`` points: small
+    enough for a results file."""
     steps = history.get("step", [])
     window = max(1, math.ceil(len(steps) / points))
-    thinned = {"step": [steps[min(i + window, len(steps)) - 1] for i in range(0, len(steps), window)]}
+    thinned = {
+        "step": [
+            steps[min(i + window, len(steps)) - 1] for i in range(0, len(steps), window)
+        ]
+    }
     for key in ("loss", "nll"):
         values = history.get(key, [])
-        thinned[key] = [sum(values[i : i + window]) / len(values[i : i + window]) for i in range(0, len(values), window)]
+        thinned[key] = [
+            sum(values[i : i + window]) / len(values[i : i + window])
+            for i in range(0, len(values), window)
+        ]
     return thinned
 
 
 def command_line() -> str | None:
-    """This process's command line, if it is this package's command line (for the results file)."""
-    if sys.argv and sys.argv[0].endswith(("annotated_transformer/__main__.py", "annotated-transformer")):
+    """This process's command line, if it is this package's command line (for the
+    results file)."""
+    if sys.argv and sys.argv[0].endswith(
+        ("annotated_transformer/__main__.py", "annotated-transformer")
+    ):
         return "python -m annotated_transformer " + shlex.join(sys.argv[1:])
     return None
 
 
-def make_record(config, trained: dict, test_scores: dict, test, *, device, started: float,
-                command: str | None = None, examples: int = 10, attention_examples=(3, 7)) -> dict:
-    """The record of a run (JSON-ready): what ran, where, how long, the curves, the scores, examples, attention."""
+def make_record(
+    config,
+    trained: dict,
+    test_scores: dict,
+    test,
+    *,
+    device,
+    started: float,
+    command: str | None = None,
+    examples: int = 10,
+    attention_examples=(3, 7),
+) -> dict:
+    """The record of a run (JSON-ready): what ran, where, how long, the curves, the
+    scores, examples, attention."""
     model, tokenizer = trained["model"], trained["tokenizer"]
     greedy, beam = test_scores["greedy"], test_scores["beam"]
     return dict(
-        task=TASK, profile=config.profile, changed=config.changed(), command=command, config=asdict(config),
-        device=describe_device(device), precision=trained["precision"],
-        torch=torch.__version__, sacrebleu=sacrebleu.__version__,
-        parameters=trained["parameters"], train_examples=trained["train_examples"],
-        train_seconds=round(trained["train_seconds"], 1), total_seconds=round(time.perf_counter() - started, 1),
-        history=thin(trained["history"]), valid=trained["valid"], valid_loss_last=trained["last_valid_loss"],
-        valid_loss_averaged=trained["averaged_valid_loss"], averaged=trained["averaged"], test=dict(test_scores),
+        task=TASK,
+        profile=config.profile,
+        changed=config.changed(),
+        command=command,
+        config=asdict(config),
+        device=describe_device(device),
+        precision=trained["precision"],
+        torch=torch.__version__,
+        sacrebleu=sacrebleu.__version__,
+        parameters=trained["parameters"],
+        train_examples=trained["train_examples"],
+        train_seconds=round(trained["train_seconds"], 1),
+        total_seconds=round(time.perf_counter() - started, 1),
+        history=thin(trained["history"]),
+        valid=trained["valid"],
+        valid_loss_last=trained["last_valid_loss"],
+        valid_loss_averaged=trained["averaged_valid_loss"],
+        averaged=trained["averaged"],
+        test=dict(test_scores),
         translations={"greedy": greedy["hypotheses"], "beam": beam["hypotheses"]},
-        examples=[dict(source=s, reference=r, greedy=g, beam=b)
-                  for (s, r), g, b in zip(test[:examples], greedy["hypotheses"], beam["hypotheses"])],
-        attention=[cross_attention_example(model, tokenizer, test[min(i, len(test) - 1)][0],
-                                           beam_size=config.beam_size, length_penalty=config.length_penalty)
-                   for i in attention_examples],
-        averaging=trained["averaging"], valid_loss_shuffled_sources=trained["shuffled_valid_loss"],
+        examples=[
+            dict(source=s, reference=r, greedy=g, beam=b)
+            for (s, r), g, b in zip(
+                test[:examples], greedy["hypotheses"], beam["hypotheses"]
+            )
+        ],
+        attention=[
+            cross_attention_example(
+                model,
+                tokenizer,
+                test[min(i, len(test) - 1)][0],
+                beam_size=config.beam_size,
+                length_penalty=config.length_penalty,
+            )
+            for i in attention_examples
+        ],
+        averaging=trained["averaging"],
+        valid_loss_shuffled_sources=trained["shuffled_valid_loss"],
         date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     )
 
@@ -178,25 +228,51 @@ def check_results_path(path, checkpoint_dir=None) -> Path:
                          f"{checkpoint_dir}, which holds that run's files only: write "
                          "the results elsewhere")
     if path.is_dir():
-        raise ValueError(f"the results path {path} is a folder: name a file, such as {path / 'results.json'}")
-    existing = next(folder for folder in [path.parent, *path.parent.parents] if folder.exists())
+        raise ValueError(
+            f"the results path {path} is a folder: name a file, such as "
+            f"{path / 'results.json'}"
+        )
+    existing = next(
+        folder for folder in [path.parent, *path.parent.parents] if folder.exists()
+    )
     if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise ValueError(f"cannot write the results file {path}: {existing} is not a folder this process may write")
+        raise ValueError(
+            f"cannot write the results file {path}: {existing} is not a folder this "
+            "process may write"
+        )
     return path
 
 
-def record_experiment(config, checkpoint_dir, *, results_path=None, device=None, command: str | None = None,
-                      log=print, **options) -> tuple[dict, dict]:
-    """``run_experiment(config, checkpoint_dir, **options)``, its record (with the sweep if ``config.sweep``),
-    written to ``results_path`` if given, with the paired bootstrap of the test scores;
-    returns (record, trained). The file keeps the test translations once
-    (``translations``)."""
+def record_experiment(
+    config,
+    checkpoint_dir,
+    *,
+    results_path=None,
+    device=None,
+    command: str | None = None,
+    log=print,
+    **options,
+) -> tuple[dict, dict]:
+    """``run_experiment(config, checkpoint_dir, **options)``, its record (with the sweep
+    if ``config.sweep``), written to ``results_path`` if given, with the paired
+    bootstrap of the test scores; returns (record, trained). The file keeps the test
+    translations once (``translations``)."""
     if results_path is not None:
         check_results_path(results_path, checkpoint_dir)
     started, device = time.perf_counter(), get_device(device)
-    test_scores, trained = run_experiment(config, checkpoint_dir, device=device, log=log, **options)
+    test_scores, trained = run_experiment(
+        config, checkpoint_dir, device=device, log=log, **options
+    )
     test = load_split("test")[: config.test_limit]
-    record = make_record(config, trained, test_scores, test, device=device, started=started, command=command)
+    record = make_record(
+        config,
+        trained,
+        test_scores,
+        test,
+        device=device,
+        started=started,
+        command=command,
+    )
     if config.sweep:
         add_tuned_decoding(record, trained, test, log=log)
     record["protocol"] = {name: PROTOCOL[name] for name in record["translations"]}

@@ -27,11 +27,13 @@ PROFILES = ("quick", "full")
 
 
 def get_profile(value: str | None = None) -> str:
-    """Return the active profile: ``"quick"`` (small sizes, a laptop CPU) or ``"full"`` (the real sizes, a GPU).
+    """Return the active profile: ``"quick"`` (small sizes, a laptop CPU) or ``"full"``
+    (the real sizes, a GPU).
 
-    ``value``, if given, or else the environment variable ``AT_PROFILE`` must be ``quick``, ``full`` or ``auto``
-    (in any case; an unset or empty variable means ``auto``). ``auto`` resolves to ``full`` when CUDA is
-    available and to ``quick`` otherwise. Any other value raises ``ValueError``.
+    ``value``, if given, or else the environment variable ``AT_PROFILE`` must be
+    ``quick``, ``full`` or ``auto`` (in any case; an unset or empty variable means
+    ``auto``). ``auto`` resolves to ``full`` when CUDA is available and to ``quick``
+    otherwise. Any other value raises ``ValueError``.
     """
     raw = value if value is not None else (os.environ.get("AT_PROFILE") or "auto")
     name = str(raw).strip().lower()
@@ -45,7 +47,8 @@ def get_profile(value: str | None = None) -> str:
 def by_profile(quick, full, profile: str | None = None):
     """Return ``quick`` or ``full``, whichever belongs to the active profile.
 
-    ``profile`` overrides ``AT_PROFILE`` (see ``get_profile``). Example: ``steps = by_profile(200, 20_000)``.
+    ``profile`` overrides ``AT_PROFILE`` (see ``get_profile``). Example: ``steps =
+    by_profile(200, 20_000)``.
     """
     return quick if get_profile(profile) == "quick" else full
 
@@ -53,10 +56,12 @@ def by_profile(quick, full, profile: str | None = None):
 def get_device(name: str | torch.device | None = None) -> torch.device:
     """Return the device to compute on.
 
-    ``name``, if given, or else the environment variable ``AT_DEVICE`` names a PyTorch device (``cpu``,
-    ``cuda``, ``cuda:1``, ``mps``; in any case) or is ``auto``. ``auto``, an unset or an empty variable mean:
-    CUDA if available, then Apple MPS, then the CPU. Asking for a device this machine
-    lacks, or one the book does not run on (xpu, hpu, meta), raises ValueError.
+    ``name``, if given, or else the environment variable ``AT_DEVICE`` names a PyTorch
+    device (``cpu``, ``cuda``, ``cuda:1``, ``mps``; in any case) or is ``auto``.
+    ``auto``, an unset or an
+    empty variable mean: CUDA if available, then Apple MPS, then the CPU. Asking for a
+    device this machine lacks, or one the book does not run on (xpu, hpu, meta), raises
+    ValueError.
     """
     if name is None:
         name = os.environ.get("AT_DEVICE", "")
@@ -70,17 +75,23 @@ def get_device(name: str | torch.device | None = None) -> torch.device:
         device = torch.device(name.strip().lower() if isinstance(name, str) else name)
     except (RuntimeError, TypeError) as error:
         raise ValueError(
-            f"a device (the argument, or AT_DEVICE) must be a PyTorch device such as 'cpu', 'cuda', 'cuda:1', "
-            f"'mps' or 'auto', got {name!r}"
+            "a device (the argument, or AT_DEVICE) must be a PyTorch device such as "
+            f"'cpu', 'cuda', 'cuda:1', 'mps' or 'auto', got {name!r}"
         ) from error
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} was asked for, but CUDA is not available on this machine")
+            raise ValueError(
+                f"device {name!r} was asked for, but CUDA is not available on this "
+                "machine"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device {name!r} was asked for, but this machine has "
                              f"{torch.cuda.device_count()} CUDA device(s)")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {name!r} was asked for, but Apple MPS is not available on this machine")
+        raise ValueError(
+            f"device {name!r} was asked for, but Apple MPS is not available on this "
+            "machine"
+        )
     if device.type not in ("cpu", "cuda", "mps"):  # xpu, hpu, meta (no data at all)...
         raise ValueError(f"device {name!r} (the argument, or AT_DEVICE) is not one "
                          "this book runs on: use cpu, cuda, cuda:N, mps or auto")
@@ -88,10 +99,12 @@ def get_device(name: str | torch.device | None = None) -> torch.device:
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
-    """Seed Python's, NumPy's and PyTorch's random number generators (PyTorch's on every device).
+    """Seed Python's, NumPy's and PyTorch's random number generators (PyTorch's on every
+    device).
 
-    With ``deterministic=True``, also make PyTorch use deterministic algorithms (and set the cuBLAS workspace
-    that CUDA needs for them; call this before any CUDA work). ``seed`` must be an int in [0, 2**32).
+    With ``deterministic=True``, also make PyTorch use deterministic algorithms (and set
+    the cuBLAS workspace that CUDA needs for them; call this before any CUDA work).
+    ``seed`` must be an int in [0, 2**32).
     """
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
@@ -207,7 +220,8 @@ def read_amp(amp) -> tuple[bool | None, torch.dtype | None]:
 
 
 def describe_device(device) -> str:
-    """A readable name of ``device``: ``"cuda (NVIDIA H100 ...)"``, or ``"cpu (<model>, 2 threads)"``."""
+    """A readable name of ``device``: ``"cuda (NVIDIA H100 ...)"``, or ``"cpu (<model>,
+    2 threads)"``."""
     device = get_device(device)
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
@@ -225,7 +239,8 @@ def describe_device(device) -> str:
 
 @contextmanager
 def evaluating(model: torch.nn.Module):
-    """``with evaluating(model):`` runs the block in evaluation mode and restores the model's mode afterwards."""
+    """``with evaluating(model):`` runs the block in evaluation mode and restores the
+    model's mode afterwards."""
     was_training = model.training
     model.eval()
     try:
@@ -235,17 +250,21 @@ def evaluating(model: torch.nn.Module):
 
 
 def as_int(value, name: str) -> int:
-    """``value`` as a Python int (ints, NumPy integers and 0-d integer tensors); a TypeError names ``name``."""
+    """``value`` as a Python int (ints, NumPy integers and 0-d integer tensors); a
+    TypeError names ``name``."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an integer, got a bool")
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+        raise TypeError(
+            f"{name} must be an integer, got {type(value).__name__}"
+        ) from None
 
 
 def check_size(name: str, value) -> None:
-    """Raise a TypeError unless ``value`` is an int (not a bool), and a ValueError unless it is positive."""
+    """Raise a TypeError unless ``value`` is an int (not a bool), and a ValueError
+    unless it is positive."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < 1:

@@ -14,14 +14,18 @@ from torch import nn
 class LayerNorm(nn.Module):
     """Layer normalisation over the last dimension (Ba et al., 2016).
 
-    ``weight * (x - mean) / sqrt(var + eps) + bias`` with the biased variance of the last dimension, computed by
-    PyTorch's fused ``F.layer_norm``; equal to ``nn.LayerNorm(features, eps=eps)``.
+    ``weight * (x - mean) / sqrt(var + eps) + bias`` with the biased variance of the
+    last dimension, computed by PyTorch's fused ``F.layer_norm``; equal to
+    ``nn.LayerNorm(features, eps=eps)``.
     """
 
     def __init__(self, features: int, eps: float = 1e-6):
         super().__init__()
         if isinstance(features, bool) or not isinstance(features, int) or features < 1:
-            raise ValueError(f"features must be a positive int (the size of the last dimension), got {features!r}")
+            raise ValueError(
+                "features must be a positive int (the size of the last dimension), "
+                f"got {features!r}"
+            )
         if not eps >= 0:
             raise ValueError(f"eps must be a non-negative float, got {eps!r}")
         self.features = features
@@ -32,8 +36,8 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.size(-1) != self.features:
             raise ValueError(
-                f"LayerNorm({self.features}) needs an input whose last dimension is {self.features}, "
-                f"got shape {tuple(x.shape)}"
+                f"LayerNorm({self.features}) needs an input whose last dimension is "
+                f"{self.features}, got shape {tuple(x.shape)}"
             )
         return F.layer_norm(x, (self.features,), self.weight, self.bias, self.eps)
 
@@ -42,10 +46,12 @@ class LayerNorm(nn.Module):
 
 
 class SublayerConnection(nn.Module):
-    """A residual connection with dropout and layer normalisation around a sublayer (sections 3.1 and 5.4).
+    """A residual connection with dropout and layer normalisation around a sublayer
+    (sections 3.1 and 5.4).
 
-    ``norm_first=False`` (the paper, post-norm): ``LayerNorm(x + Dropout(sublayer(x)))``.
-    ``norm_first=True`` (pre-norm): ``x + Dropout(sublayer(LayerNorm(x)))``.
+    ``norm_first=False`` (the paper, post-norm): ``LayerNorm(x +
+    Dropout(sublayer(x)))``. ``norm_first=True`` (pre-norm): ``x +
+    Dropout(sublayer(LayerNorm(x)))``.
     """
 
     def __init__(self, size: int, dropout: float, norm_first: bool = False):
@@ -64,9 +70,12 @@ class SublayerConnection(nn.Module):
 
 
 def clones(module: nn.Module, n: int) -> nn.ModuleList:
-    """``n`` independent deep copies of ``module``, registered as submodules in an ``nn.ModuleList``."""
+    """``n`` independent deep copies of ``module``, registered as submodules in an
+    ``nn.ModuleList``."""
     if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n must be an int (the number of copies), got {type(n).__name__}")
+        raise TypeError(
+            f"n must be an int (the number of copies), got {type(n).__name__}"
+        )
     if n < 1:
         raise ValueError(f"n must be at least 1 (the number of copies), got {n}")
     return nn.ModuleList([copy.deepcopy(module) for _ in range(n)])

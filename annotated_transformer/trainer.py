@@ -31,14 +31,19 @@ from annotated_transformer.runtime import (
     distributed_context, evaluating, get_device, get_profile, init_distributed,
     seed_everything, shard_rows, stop_requests, warn_long_warmup,
 )
-from annotated_transformer.training import Batch, LabelSmoothing, make_optimizer, make_scheduler
+from annotated_transformer.training import (
+    Batch,
+    LabelSmoothing,
+    make_optimizer,
+    make_scheduler,
+)
 
 
 class LogProbs(nn.Module):
     """The model followed by its generator: log-probabilities of the next target token.
 
-    Distributed training wraps this module, so that the whole forward pass, generator included, happens
-    inside the wrapper's ``forward``.
+    Distributed training wraps this module, so that the whole forward pass, generator
+    included, happens inside the wrapper's ``forward``.
     """
 
     def __init__(self, model: nn.Module):
@@ -52,11 +57,13 @@ class LogProbs(nn.Module):
 def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callable, *,
                          device: torch.device, precision: Precision,
                          scaler=None) -> tuple[float, float, int]:
-    """Forward and backward over the micro-batches of one optimiser step; return (loss, nll, tokens) per token.
+    """Forward and backward over the micro-batches of one optimiser step; return (loss,
+    nll, tokens) per token.
 
-    Each micro-batch's loss is divided by the label tokens of the whole group, so the summed gradient is that of
-    one batch holding all of them. ``nll`` is the cross-entropy of the labels, whatever ``loss_fn`` is.
-    The forward pass runs in ``precision``; a ``scaler`` (fp16) scales the loss.
+    Each micro-batch's loss is divided by the label tokens of the whole group, so the
+    summed gradient is that of one batch holding all of them. ``nll`` is the
+    cross-entropy of the labels, whatever ``loss_fn`` is. The forward pass runs in
+    ``precision``; a ``scaler`` (fp16) scales the loss.
     """
     rank, world = distributed_context()
     total_tokens = sum(batch.ntokens for batch in group)
@@ -71,15 +78,20 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
         with net.no_sync() if world > 1 and not last else contextlib.nullcontext():
             with precision.autocast():
                 log_probs = net(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
-            flat, labels = log_probs.reshape(-1, log_probs.size(-1)), batch.tgt_y.reshape(-1)
+            flat, labels = (
+                log_probs.reshape(-1, log_probs.size(-1)),
+                batch.tgt_y.reshape(-1),
+            )
             loss = loss_fn(flat, labels)
-            # DistributedDataParallel averages gradients over processes: multiply by world to get the sum.
+            # DistributedDataParallel averages gradients over processes: multiply by
+            # world to get the sum.
             share = loss * (world / total_tokens)
             (share if scaler is None else scaler.scale(share)).backward()
         # the labels' cross-entropy; no boolean indexing, which would wait for the GPU
         nll = F.nll_loss(flat.detach().float(), labels, ignore_index=batch.pad,
                          reduction="sum")
-        pair = torch.stack([loss.detach(), nll])  # in the loss's precision (float64 in the tests)
+        # in the loss's precision (float64 in the tests)
+        pair = torch.stack([loss.detach(), nll])
         sums = pair if sums is None else sums + pair
     if world > 1:
         dist.all_reduce(sums)
@@ -90,18 +102,22 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
 def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
                     scheduler=None, scaler=None, precision: Precision | None = None,
                     steps: int | None = None):
-    """Restore a checkpoint into model, optimiser, schedule and random generators: (start step, history, seconds).
+    """Restore a checkpoint into model, optimiser, schedule and random generators:
+    (start step, history, seconds).
 
-    ``resume`` is True (the newest intact checkpoint of ``checkpoint_dir``, skipping damaged ones with a warning)
-    or a checkpoint's path. The loss scale goes into ``scaler``; a checkpoint of another
-    ``precision`` gives a warning. A checkpoint beyond ``steps`` is refused.
+    ``resume`` is True (the newest intact checkpoint of ``checkpoint_dir``, skipping
+    damaged ones with a warning) or a checkpoint's path. The loss scale goes into
+    ``scaler``; a checkpoint of another ``precision`` gives a warning. A checkpoint
+    beyond ``steps`` is refused.
     """
     if isinstance(resume, (str, os.PathLike)):
         checkpoint = load_checkpoint(resume)
     else:
         path, checkpoint = load_latest_checkpoint(checkpoint_dir)
         if path is None:
-            raise FileNotFoundError(f"resume was asked for, but {checkpoint_dir} holds no checkpoint")
+            raise FileNotFoundError(
+                f"resume was asked for, but {checkpoint_dir} holds no checkpoint"
+            )
     if steps is not None and checkpoint["step"] > steps:  # nothing to train: refused
         raise ValueError(f"steps ({steps}) is below the step that the checkpoint "
                          f"reached ({checkpoint['step']}): resume with steps >= it")
@@ -113,8 +129,10 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
     rank, world = distributed_context()
     states = checkpoint["rng"]
     if len(states) != world:
-        warnings.warn(f"the checkpoint was written by {len(states)} process(es), this run has {world}: "
-                      "random numbers will not continue exactly as before")
+        warnings.warn(
+            f"the checkpoint was written by {len(states)} process(es), this run has "
+            f"{world}: random numbers will not continue exactly as before"
+        )
     set_rng_state(states[rank % len(states)])
     extra = checkpoint["extra"]
     if precision and extra.get("precision", precision.name) != precision.name:
@@ -125,10 +143,22 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
     return checkpoint["step"], extra.get("history"), extra.get("train_seconds", 0.0)
 
 
-def write_checkpoint(checkpoint_dir, step: int, *, model: nn.Module, optimizer, scheduler, history: dict,
-                     train_seconds: float, keep_last: int, extra: dict | None = None,
-                     precision: Precision | None = None, scaler=None) -> None:
-    """Write ``step_XXXXXXXX.pt`` (from the first process) with every process's generator state; verify; rotate."""
+def write_checkpoint(
+    checkpoint_dir,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    history: dict,
+    train_seconds: float,
+    keep_last: int,
+    extra: dict | None = None,
+    precision: Precision | None = None,
+    scaler=None,
+) -> None:
+    """Write ``step_XXXXXXXX.pt`` (from the first process) with every process's
+    generator state; verify; rotate."""
     rank, world = distributed_context()
     states = [None] * world
     if world > 1:
@@ -138,33 +168,59 @@ def write_checkpoint(checkpoint_dir, step: int, *, model: nn.Module, optimizer, 
     if rank == 0:
         run = {"precision": precision and precision.name,
                "grad_scaler": scaler.state_dict() if scaler else {}}  # {} unless fp16
-        path = save_checkpoint(checkpoint_path(checkpoint_dir, step), model=model, optimizer=optimizer,
-                               scheduler=scheduler, step=step, rng=states,
-                               extra={**(extra or {}), "history": history,
-                                      "train_seconds": train_seconds, **run})
+        path = save_checkpoint(
+            checkpoint_path(checkpoint_dir, step),
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            step=step,
+            rng=states,
+            extra={
+                **(extra or {}),
+                "history": history,
+                "train_seconds": train_seconds,
+                **run,
+            },
+        )
         problem = checkpoint_problem(path)
         if problem:
-            raise CheckpointError(f"the checkpoint just written does not read back, so no older one was deleted: "
-                                  f"{problem}")
+            raise CheckpointError(
+                "the checkpoint just written does not read back, so no older one was "
+                f"deleted: {problem}"
+            )
         rotate_checkpoints(checkpoint_dir, keep_last)
     if world > 1:
         dist.barrier()
 
 
 class NonFiniteLossError(ValueError, FloatingPointError):
-    """Training met a loss (or gradient norm) that is not finite; the message names the step and the value."""
+    """Training met a loss (or gradient norm) that is not finite; the message names the
+    step and the value."""
 
 
-def check_finite(step: int, loss: float, grad_norm: float | None, checkpoint_dir) -> None:
-    """Raise NonFiniteLossError if step ``step``'s loss per token, or its gradient norm, is not finite."""
+def check_finite(
+    step: int, loss: float, grad_norm: float | None, checkpoint_dir
+) -> None:
+    """Raise NonFiniteLossError if step ``step``'s loss per token, or its gradient norm,
+    is not finite."""
     if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
         return
-    what = f"the loss per token is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
+    what = (
+        f"the loss per token is {loss}"
+        if not math.isfinite(loss)
+        else f"the gradient norm is {grad_norm}"
+    )
     last = checkpoint_dir is not None and latest_checkpoint(checkpoint_dir, intact=True)
-    kept = f"the newest checkpoint, {last}, is from before it" if last else "no checkpoint was written"
-    raise NonFiniteLossError(f"training stopped at step {step}: {what}, not a finite number. The step's update was "
-                             f"not made and no checkpoint of it was written; {kept}. A lower learning rate, gradient "
-                             "clipping or training in float32 may help")
+    kept = (
+        f"the newest checkpoint, {last}, is from before it"
+        if last
+        else "no checkpoint was written"
+    )
+    raise NonFiniteLossError(
+        f"training stopped at step {step}: {what}, not a finite number. The step's "
+        f"update was not made and no checkpoint of it was written; {kept}. A lower "
+        "learning rate, gradient clipping or training in float32 may help"
+    )
 
 
 def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *,
@@ -179,9 +235,15 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
     ``batches[i % len(batches)]``). ``evaluate(step)`` runs every ``eval_every`` steps,
     and a checkpoint is written every ``checkpoint_every`` steps, both also at the end;
     Ctrl-C or SIGTERM ends the step, saves it and raises ``Interrupted``."""
-    get_batch = check_training(batches, steps=steps, accumulation_steps=accumulation_steps,
-                               checkpoint_every=checkpoint_every, resume=resume,
-                               checkpoint_dir=checkpoint_dir, eval_every=eval_every)
+    get_batch = check_training(
+        batches,
+        steps=steps,
+        accumulation_steps=accumulation_steps,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        checkpoint_dir=checkpoint_dir,
+        eval_every=eval_every,
+    )
     device = next(model.parameters()).device if device is None else get_device(device)
     precision = choose_precision(device, amp)
     scaler = precision.grad_scaler()
@@ -197,7 +259,10 @@ def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *
             Progress(progress, total=steps, initial=start, note=note)) as bar:
         started = time.perf_counter()
         for step in range(start, steps):
-            group = [get_batch(step * accumulation_steps + j) for j in range(accumulation_steps)]
+            group = [
+                get_batch(step * accumulation_steps + j)
+                for j in range(accumulation_steps)
+            ]
             lr = optimizer.param_groups[0]["lr"]
             loss, nll, tokens = accumulate_gradients(net, group, loss_fn, device=device,
                                                      precision=precision, scaler=scaler)
@@ -238,13 +303,17 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
+        raise ValueError(
+            f"accumulation_steps must be a positive integer, got {accumulation_steps!r}"
+        )
     periods = dict(checkpoint_every=checkpoint_every, eval_every=eval_every)
     for name, every in periods.items():
         if not isinstance(every, int) or every < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {every!r}")
     if resume and checkpoint_dir is None and not isinstance(resume, (str, os.PathLike)):
-        raise ValueError("resume=True needs checkpoint_dir (or pass the checkpoint's path as resume)")
+        raise ValueError(
+            "resume=True needs checkpoint_dir (or pass the checkpoint's path as resume)"
+        )
     if callable(batches):
         return batches
     if len(batches) == 0:
@@ -280,23 +349,39 @@ def for_training(model: nn.Module, device: torch.device, loss_fn=None, *,
     model.to(device).train()
     net: nn.Module = LogProbs(model)
     if distributed_context()[1] > 1:
-        net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+        net = DistributedDataParallel(
+            net, device_ids=[device.index] if device.type == "cuda" else None
+        )
     if compile:
         net, loss_fn = torch.compile(net), loss_fn and torch.compile(loss_fn)
     return net, loss_fn
 
 
-def copy_batches(vocab: int, batch_size: int, seq_len: int, n_batches: int, *, pad: int = 0, start: int = 1,
-                 generator: torch.Generator | None = None, device=None):
+def copy_batches(
+    vocab: int,
+    batch_size: int,
+    seq_len: int,
+    n_batches: int,
+    *,
+    pad: int = 0,
+    start: int = 1,
+    generator: torch.Generator | None = None,
+    device=None,
+):
     """Yield ``n_batches`` random batches of the copy task: the target is the source.
 
-    Each sequence is ``start`` followed by ``seq_len - 1`` tokens drawn uniformly from ``2 .. vocab - 1`` (never
-    the padding or start symbol), so there is no padding.
+    Each sequence is ``start`` followed by ``seq_len - 1`` tokens drawn uniformly from
+    ``2 .. vocab - 1`` (never the padding or start symbol), so there is no padding.
     """
     if sorted((pad, start)) != [0, 1]:
-        raise ValueError(f"the copy task reserves ids 0 and 1 for pad and start, got pad={pad}, start={start}")
+        raise ValueError(
+            f"the copy task reserves ids 0 and 1 for pad and start, got pad={pad}, "
+            f"start={start}"
+        )
     if vocab < 3:
-        raise ValueError(f"vocab must be >= 3 (pad, start and at least one symbol), got {vocab}")
+        raise ValueError(
+            f"vocab must be >= 3 (pad, start and at least one symbol), got {vocab}"
+        )
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     for _ in range(n_batches):
@@ -308,11 +393,14 @@ def copy_batches(vocab: int, batch_size: int, seq_len: int, n_batches: int, *, p
 
 @torch.no_grad()
 def label_accuracy(model: nn.Module, batch: Batch) -> float:
-    """The fraction of ``batch``'s labels (not padding) that the model, fed the true prefix, ranks first."""
+    """The fraction of ``batch``'s labels (not padding) that the model, fed the true
+    prefix, ranks first."""
     device = next(model.parameters()).device
     batch = batch.to(device)
     with evaluating(model):
-        log_probs = model.generator(model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask))
+        log_probs = model.generator(
+            model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+        )
     real = batch.tgt_y != batch.pad
     return (log_probs.argmax(-1) == batch.tgt_y)[real].float().mean().item()
 
@@ -338,10 +426,27 @@ class CopyConfig:
     seed: int = 0
 
     def __post_init__(self):
-        check_settings(self, positive=("vocab", "seq_len", "N", "d_model", "d_ff", "h", "steps", "batch_size",
-                                       "accumulation_steps", "warmup"), probabilities=("dropout", "smoothing"))
+        check_settings(
+            self,
+            positive=(
+                "vocab",
+                "seq_len",
+                "N",
+                "d_model",
+                "d_ff",
+                "h",
+                "steps",
+                "batch_size",
+                "accumulation_steps",
+                "warmup",
+            ),
+            probabilities=("dropout", "smoothing"),
+        )
         if self.vocab < 3 or self.seq_len < 2:
-            raise ValueError(f"the copy task needs vocab >= 3 and seq_len >= 2, got {self.vocab}, {self.seq_len}")
+            raise ValueError(
+                f"the copy task needs vocab >= 3 and seq_len >= 2, got {self.vocab}, "
+                f"{self.seq_len}"
+            )
 
 
 COPY_PROFILES = {
@@ -351,39 +456,69 @@ COPY_PROFILES = {
 
 
 def copy_config(profile: str | None = None, **overrides) -> CopyConfig:
-    """The profile's ``CopyConfig`` (default: ``AT_PROFILE``), with the settings in ``overrides`` that are not None."""
+    """The profile's ``CopyConfig`` (default: ``AT_PROFILE``), with the settings in
+    ``overrides`` that are not None."""
     unknown = set(overrides) - set(CopyConfig.__dataclass_fields__)
     if unknown:
         raise TypeError(f"unknown copy task setting(s): {', '.join(sorted(unknown))}")
-    return replace(COPY_PROFILES[get_profile(profile)], **{k: v for k, v in overrides.items() if v is not None})
+    return replace(
+        COPY_PROFILES[get_profile(profile)],
+        **{k: v for k, v in overrides.items() if v is not None},
+    )
 
 
-def train_copy_task(config: CopyConfig | None = None, *, device=None, amp=None,
-                    compile: bool = False, checkpoint_dir=None,
-                    checkpoint_every: int = 0, keep_last: int = 5, resume=False, progress: bool = True,
-                    profile: str | None = None, **overrides) -> tuple[nn.Module, dict]:
-    """Train a small Transformer to copy random sequences; return (model in eval mode, history).
+def train_copy_task(
+    config: CopyConfig | None = None,
+    *,
+    device=None,
+    amp=None,
+    compile: bool = False,
+    checkpoint_dir=None,
+    checkpoint_every: int = 0,
+    keep_last: int = 5,
+    resume=False,
+    progress: bool = True,
+    profile: str | None = None,
+    **overrides,
+) -> tuple[nn.Module, dict]:
+    """Train a small Transformer to copy random sequences; return (model in eval mode,
+    history).
 
-    ``config`` defaults to the profile's (``copy_config(profile, **overrides)``); with a config, ``overrides``
-    replace some of its settings. The other arguments are those of :func:`train`.
+    ``config`` defaults to the profile's (``copy_config(profile, **overrides)``); with a
+    config, ``overrides`` replace some of its settings. The other arguments are those of
+    :func:`train`.
     """
     config = copy_config(profile, **overrides) if config is None else replace(
         config, **{k: v for k, v in overrides.items() if v is not None})
     device = init_distributed(device)
     precision = choose_precision(device, amp)  # a refusal comes before any work
     seed_everything(config.seed)
-    model = make_model(config.vocab, config.vocab, N=config.N, d_model=config.d_model, d_ff=config.d_ff,
-                       h=config.h, dropout=config.dropout).to(device)
+    model = make_model(
+        config.vocab,
+        config.vocab,
+        N=config.N,
+        d_model=config.d_model,
+        d_ff=config.d_ff,
+        h=config.h,
+        dropout=config.dropout,
+    ).to(device)
     settings = {key: value for key, value in asdict(config).items() if key != "steps"}
     rank, _ = distributed_context()
-    if rank > 0:  # the same initial weights everywhere, but each process its own dropout masks
+    # the same initial weights everywhere, but each process its own dropout masks
+    if rank > 0:
         seed_everything(config.seed + rank)
     optimizer = make_optimizer(model)
-    scheduler = make_scheduler(optimizer, config.d_model, factor=config.factor, warmup=config.warmup)
+    scheduler = make_scheduler(
+        optimizer, config.d_model, factor=config.factor, warmup=config.warmup
+    )
 
     def batch(index: int) -> Batch:
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
-        return next(copy_batches(config.vocab, config.batch_size, config.seq_len, 1, generator=generator))
+        return next(
+            copy_batches(
+                config.vocab, config.batch_size, config.seq_len, 1, generator=generator
+            )
+        )
 
     with run_folder(checkpoint_dir, {**model.config, **settings}, resume=resume,
                     hold=rank == 0):  # checked before any training, held to its end

@@ -16,13 +16,18 @@ from annotated_transformer.masks import padding_mask, subsequent_mask, target_ma
 class Batch:
     """Source and target token ids with their masks, ready for teacher forcing.
 
-    ``tgt`` holds whole target sentences ``<s> y1 ... yn`` (padded with ``pad``). The decoder reads
-    ``batch.tgt`` (all but the last token) and is trained to predict ``batch.tgt_y`` (all but the first).
+    ``tgt`` holds whole target sentences ``<s> y1 ... yn`` (padded with ``pad``). The
+    decoder reads ``batch.tgt`` (all but the last token) and is trained to predict
+    ``batch.tgt_y`` (all but the first).
     """
 
-    def __init__(self, src: torch.Tensor, tgt: torch.Tensor | None = None, pad: int = 0):
+    def __init__(
+        self, src: torch.Tensor, tgt: torch.Tensor | None = None, pad: int = 0
+    ):
         if src.dim() != 2:
-            raise ValueError(f"src must have shape (batch, length), got {tuple(src.shape)}")
+            raise ValueError(
+                f"src must have shape (batch, length), got {tuple(src.shape)}"
+            )
         self.pad = pad
         self.src = src
         self.src_mask = padding_mask(src, pad)
@@ -31,7 +36,8 @@ class Batch:
         if tgt is not None:
             if tgt.dim() != 2 or tgt.size(0) != src.size(0) or tgt.size(1) < 2:
                 raise ValueError(
-                    f"tgt must have shape (batch={src.size(0)}, length >= 2), got {tuple(tgt.shape)}"
+                    f"tgt must have shape (batch={src.size(0)}, length >= 2), got "
+                    f"{tuple(tgt.shape)}"
                 )
             self.tgt = tgt[:, :-1]
             self.tgt_y = tgt[:, 1:]
@@ -71,30 +77,42 @@ def token_batches(
 ) -> list[list[int]]:
     """Group examples into batches of at most ``max_tokens`` padded tokens per side.
 
-    ``lengths`` holds one length per example, or one ``(source, target)`` pair of lengths. A batch of
-    ``b`` examples whose longest member has length ``n`` costs ``b * n`` padded tokens on each side.
-    With ``bucket=True`` examples of similar length go together (the paper's "batched together by
-    approximate sequence length"), which keeps padding small; ``bucket=False`` fills batches in random
-    order, for comparison. Returns lists of example indices; with ``shuffle`` the order of the batches is
+    ``lengths`` holds one length per example, or one ``(source, target)`` pair of
+    lengths. A batch of ``b`` examples whose longest member has length ``n`` costs ``b *
+    n`` padded tokens on each side. With ``bucket=True`` examples of similar length go
+    together (the paper's "batched together by approximate sequence length"), which
+    keeps padding small; ``bucket=False`` fills batches in random order, for comparison.
+    Returns lists of example indices; with ``shuffle`` the order of the batches is
     random (ties in length are broken at random too).
     """
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    sizes = [tuple(int(v) for v in x) if isinstance(x, (tuple, list)) else (int(x),) for x in lengths]
+    sizes = [
+        tuple(int(v) for v in x) if isinstance(x, (tuple, list)) else (int(x),)
+        for x in lengths
+    ]
     for index, size in enumerate(sizes):
         if min(size) < 0 or max(size) > max_tokens:
-            raise ValueError(f"example {index} has lengths {size}: each must lie in 0..max_tokens={max_tokens}")
+            raise ValueError(
+                f"example {index} has lengths {size}: each must lie in "
+                f"0..max_tokens={max_tokens}"
+            )
     if shuffle:
         order = torch.randperm(len(sizes), generator=generator).tolist()
     else:
         order = list(range(len(sizes)))
     if bucket:
-        order.sort(key=lambda i: sizes[i])  # a stable sort: equal lengths keep their random order
+        # a stable sort: equal lengths keep their random order
+        order.sort(key=lambda i: sizes[i])
     batches: list[list[int]] = []
     current: list[int] = []
     longest: tuple[int, ...] = ()
     for index in order:
-        grown = tuple(max(a, b) for a, b in zip(longest, sizes[index])) if current else sizes[index]
+        grown = (
+            tuple(max(a, b) for a, b in zip(longest, sizes[index]))
+            if current
+            else sizes[index]
+        )
         if current and (len(current) + 1) * max(grown) > max_tokens:
             batches.append(current)
             current, grown = [], sizes[index]
@@ -103,12 +121,16 @@ def token_batches(
     if current:
         batches.append(current)
     if shuffle:
-        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+        batches = [
+            batches[i]
+            for i in torch.randperm(len(batches), generator=generator).tolist()
+        ]
     return batches
 
 
 def padding_fraction(lengths: Sequence, batches: list[list[int]]) -> float:
-    """The fraction of the padded tensors' entries that are padding, over all batches and both sides."""
+    """The fraction of the padded tensors' entries that are padding, over all batches
+    and both sides."""
     sizes = [tuple(x) if isinstance(x, (tuple, list)) else (x,) for x in lengths]
     real = padded = 0
     for batch in batches:
@@ -120,20 +142,26 @@ def padding_fraction(lengths: Sequence, batches: list[list[int]]) -> float:
 
 
 class LabelSmoothing(nn.Module):
-    """Label-smoothed loss (section 5.4): KL divergence from the smoothed target distribution, summed.
+    """Label-smoothed loss (section 5.4): KL divergence from the smoothed target
+    distribution, summed.
 
-    The target distribution puts ``1 - smoothing`` on the correct token and spreads ``smoothing`` evenly over
-    the other ``size - 2`` tokens (all but the correct one and padding). Positions whose target is padding
-    contribute nothing. Terms where the target probability is zero are left out, so the loss is finite even
-    where the model gives a token probability zero.
+    The target distribution puts ``1 - smoothing`` on the correct token and spreads
+    ``smoothing`` evenly over the other ``size - 2`` tokens (all but the correct one and
+    padding). Positions whose target is padding contribute nothing. Terms where the
+    target probability is zero are left out, so the loss is finite even where the model
+    gives a token probability zero.
     """
 
     def __init__(self, size: int, padding_idx: int, smoothing: float = 0.0):
         super().__init__()
         if not isinstance(size, int) or size < 3:
-            raise ValueError(f"size (the vocabulary size) must be an integer >= 3, got {size!r}")
+            raise ValueError(
+                f"size (the vocabulary size) must be an integer >= 3, got {size!r}"
+            )
         if not isinstance(padding_idx, int) or not 0 <= padding_idx < size:
-            raise ValueError(f"padding_idx must be an integer in 0..{size - 1}, got {padding_idx!r}")
+            raise ValueError(
+                f"padding_idx must be an integer in 0..{size - 1}, got {padding_idx!r}"
+            )
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must lie in [0, 1), got {smoothing!r}")
         self.size = size
@@ -141,8 +169,11 @@ class LabelSmoothing(nn.Module):
         self.smoothing = float(smoothing)
         self.confidence = 1.0 - self.smoothing
 
-    def target_distribution(self, target: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-        """The smoothed distribution, shape (N, size), for targets of shape (N,); padding rows are zero."""
+    def target_distribution(
+        self, target: torch.Tensor, dtype=torch.float32
+    ) -> torch.Tensor:
+        """The smoothed distribution, shape (N, size), for targets of shape (N,);
+        padding rows are zero."""
         check_target(target, self.size, self.padding_idx)
         target = target.long()
         dist = torch.full((target.size(0), self.size), self.smoothing / (self.size - 2),
@@ -154,18 +185,29 @@ class LabelSmoothing(nn.Module):
 
     def forward(self, log_probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if log_probs.dim() != 2 or log_probs.size(1) != self.size:
-            raise ValueError(f"log_probs must have shape (N, {self.size}), got {tuple(log_probs.shape)}")
+            raise ValueError(
+                f"log_probs must have shape (N, {self.size}), got "
+                f"{tuple(log_probs.shape)}"
+            )
         check_target(target, self.size, self.padding_idx)
         if target.shape != log_probs.shape[:1]:
-            raise ValueError(f"target must have shape ({log_probs.size(0)},), got {tuple(target.shape)}")
-        target = target.long()                                 # any integer dtype; a no-op for int64
-        # The closed form of the sum over k (derived below): no (N, size) matrix is built.
+            raise ValueError(
+                f"target must have shape ({log_probs.size(0)},), got "
+                f"{tuple(target.shape)}"
+            )
+        # any integer dtype; a no-op for int64
+        target = target.long()
+        # The closed form of the sum over k (derived below): no (N, size) matrix is
+        # built.
         pad, u = self.padding_idx, self.smoothing / (self.size - 2)
         log_p_target = log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
         loss = self.confidence * (math.log(self.confidence) - log_p_target)
         if u > 0:
-            rest = log_probs[:, :pad].sum(1) + log_probs[:, pad + 1:].sum(1)  # every column but padding
-            others = torch.where(torch.isneginf(log_p_target), log_p_target, rest - log_p_target)
+            # every column but padding
+            rest = log_probs[:, :pad].sum(1) + log_probs[:, pad + 1:].sum(1)
+            others = torch.where(
+                torch.isneginf(log_p_target), log_p_target, rest - log_p_target
+            )
             loss = loss + self.smoothing * math.log(u) - u * others
         return torch.where(target != pad, loss, 0.0).sum()
 
@@ -174,48 +216,71 @@ def check_target(target, size: int, padding_idx: int) -> None:
     """Refuse targets that are not integer token ids (TypeError) or, in eager mode on
     the CPU, ids outside 0..size-1 (ValueError; one min and max, skipped where reading
     them would cost a synchronisation or a graph break)."""
-    if not isinstance(target, torch.Tensor) or target.dtype == torch.bool or target.is_floating_point() \
-            or target.is_complex():
-        kind = f"dtype {target.dtype}" if isinstance(target, torch.Tensor) else type(target).__name__
+    if (
+        not isinstance(target, torch.Tensor)
+        or target.dtype == torch.bool
+        or target.is_floating_point()
+        or target.is_complex()
+    ):
+        kind = (
+            f"dtype {target.dtype}"
+            if isinstance(target, torch.Tensor)
+            else type(target).__name__
+        )
         raise TypeError(f"target must be a tensor of integer token ids, got {kind}")
     eager_cpu = target.device.type == "cpu" and not torch.compiler.is_compiling()
     if eager_cpu and target.numel():
-        low, high = torch.stack(torch.aminmax(target)).tolist()    # one small copy to the host
+        # one small copy to the host
+        low, high = torch.stack(torch.aminmax(target)).tolist()
         if low < 0 or high >= size:
-            raise ValueError(f"target holds token id {low if low < 0 else high}; ids must lie in 0..{size - 1} "
-                             f"(size {size}, padding id {padding_idx} included)")
+            raise ValueError(
+                f"target holds token id {low if low < 0 else high}; ids must lie in "
+                f"0..{size - 1} (size {size}, padding id {padding_idx} included)"
+            )
 
 
 def rate(step: int, model_size: int, factor: float = 1.0, warmup: int = 4000) -> float:
-    """The learning rate of section 5.3, equation (3): linear warm-up, then inverse square root decay.
+    """The learning rate of section 5.3, equation (3): linear warm-up, then inverse
+    square root decay.
 
-    ``factor * model_size**-0.5 * min(step**-0.5, step * warmup**-1.5)``; step 0 counts as step 1.
+    ``factor * model_size**-0.5 * min(step**-0.5, step * warmup**-1.5)``; step 0 counts
+    as step 1.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if model_size <= 0 or warmup <= 0:
-        raise ValueError(f"model_size and warmup must be positive, got {model_size} and {warmup}")
+        raise ValueError(
+            f"model_size and warmup must be positive, got {model_size} and {warmup}"
+        )
     step = max(step, 1)
     return factor * model_size ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 
 def make_optimizer(model, *, betas=(0.9, 0.98), eps: float = 1e-9) -> torch.optim.Adam:
-    """Adam with the paper's settings (section 5.3) for a model (or an iterable of parameters).
+    """Adam with the paper's settings (section 5.3) for a model (or an iterable of
+    parameters).
 
-    Its base learning rate is 1, so that the schedule's factor is the learning rate. Where PyTorch has a fused
-    Adam kernel for the parameters' device (CPU and CUDA), it is used: same algorithm, one kernel per step.
+    Its base learning rate is 1, so that the schedule's factor is the learning rate.
+    Where PyTorch has a fused Adam kernel for the parameters' device (CPU and CUDA), it
+    is used: same algorithm, one kernel per step.
     """
     params = list(model.parameters() if isinstance(model, nn.Module) else model)
-    fused = all(isinstance(p, torch.Tensor) and p.device.type in ("cpu", "cuda") for p in params)
+    fused = all(
+        isinstance(p, torch.Tensor) and p.device.type in ("cpu", "cuda") for p in params
+    )
     try:
         return torch.optim.Adam(params, lr=1.0, betas=betas, eps=eps, fused=fused)
     except RuntimeError:  # an older PyTorch without this fused kernel
         return torch.optim.Adam(params, lr=1.0, betas=betas, eps=eps)
 
 
-def make_scheduler(optimizer, model_size: int, *, factor: float = 1.0, warmup: int = 4000):
-    """``LambdaLR`` following :func:`rate`. The k-th optimiser step (k = 1, 2, ...) uses ``rate(k)``."""
-    rate(1, model_size, factor, warmup)  # validates the arguments now rather than at the first step
+def make_scheduler(
+    optimizer, model_size: int, *, factor: float = 1.0, warmup: int = 4000
+):
+    """``LambdaLR`` following :func:`rate`. The k-th optimiser step (k = 1, 2, ...) uses
+    ``rate(k)``."""
+    # validates the arguments now rather than at the first step
+    rate(1, model_size, factor, warmup)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda index: rate(index + 1, model_size, factor, warmup)
     )

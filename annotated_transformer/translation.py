@@ -34,12 +34,18 @@ from annotated_transformer.runtime import (
     get_device, get_profile, seed_everything, warn_long_warmup,
 )
 from annotated_transformer.trainer import due, train
-from annotated_transformer.training import LabelSmoothing, make_optimizer, make_scheduler, token_batches
+from annotated_transformer.training import (
+    LabelSmoothing,
+    make_optimizer,
+    make_scheduler,
+    token_batches,
+)
 
 
 @dataclass(frozen=True)
 class TranslationConfig:
-    """The settings of a Multi30k run: data, model, training, evaluation. Checked when made."""
+    """The settings of a Multi30k run: data, model, training, evaluation. Checked when
+    made."""
 
     vocab_size: int            # pieces in the joint SentencePiece vocabulary
     train_limit: int | None    # train on the first N training pairs only (None: all)
@@ -48,8 +54,10 @@ class TranslationConfig:
     d_model: int
     d_ff: int
     h: int                     # attention heads
-    dropout: float             # the paper's P_drop: sublayer outputs, embeddings plus positions
-    attention_dropout: float   # on the attention weights (not in the paper; nn.Transformer's layers have it)
+    # the paper's P_drop: sublayer outputs, embeddings plus positions
+    dropout: float
+    # on the attention weights (not in the paper; nn.Transformer's layers have it)
+    attention_dropout: float
     activation_dropout: float  # inside the feed-forward networks (likewise)
     norm_first: bool           # pre-norm (True) or the paper's post-norm (False)
     embedding_init: str        # "normal": N(0, 1/d_model), or "xavier"
@@ -61,13 +69,15 @@ class TranslationConfig:
     factor: float              # the schedule's factor
     clip_norm: float | None    # clip the gradient norm to this (None: off)
     checkpoint_every: int      # a checkpoint every this many steps
-    average: int               # the final model is the mean of the last this many checkpoints
+    # the final model is the mean of the last this many checkpoints
+    average: int
     eval_every: int            # validation loss every this many steps
     valid_limit: int | None    # validation loss on the first N validation pairs only
     test_limit: int | None     # BLEU on the first N test pairs only
     beam_size: int             # beam search of the final evaluation
     length_penalty: float      # its alpha
-    sweep: bool                # also score several decoding settings on the validation set
+    # also score several decoding settings on the validation set
+    sweep: bool
     seed: int
     profile: str               # the profile these settings started from
 
@@ -76,28 +86,60 @@ class TranslationConfig:
 
     def changed(self) -> list[str]:
         """The settings that differ from the profile's, sorted."""
-        return sorted(k for k, v in asdict(PROFILES[self.profile]).items() if getattr(self, k) != v)
+        return sorted(
+            k
+            for k, v in asdict(PROFILES[self.profile]).items()
+            if getattr(self, k) != v
+        )
 
 
-POSITIVE = ("vocab_size", "max_len", "N", "d_model", "d_ff", "h", "max_tokens", "accumulation_steps", "steps",
-            "warmup", "checkpoint_every", "average", "eval_every", "beam_size")
+POSITIVE = (
+    "vocab_size",
+    "max_len",
+    "N",
+    "d_model",
+    "d_ff",
+    "h",
+    "max_tokens",
+    "accumulation_steps",
+    "steps",
+    "warmup",
+    "checkpoint_every",
+    "average",
+    "eval_every",
+    "beam_size",
+)
 PROBABILITIES = ("dropout", "attention_dropout", "activation_dropout", "smoothing")
 
 
 def check_settings(config: TranslationConfig) -> None:
-    """Raise a ValueError (or TypeError) naming the first setting of ``config`` that cannot be used."""
-    limits = [name for name in ("train_limit", "valid_limit", "test_limit") if getattr(config, name) is not None]
-    check_shared_settings(config, positive=[*POSITIVE, *limits], probabilities=PROBABILITIES)
+    """Raise a ValueError (or TypeError) naming the first setting of ``config`` that
+    cannot be used."""
+    limits = [
+        name
+        for name in ("train_limit", "valid_limit", "test_limit")
+        if getattr(config, name) is not None
+    ]
+    check_shared_settings(
+        config, positive=[*POSITIVE, *limits], probabilities=PROBABILITIES
+    )
     for name in ("norm_first", "sweep"):
         if not isinstance(getattr(config, name), bool):
-            raise TypeError(f"{name} must be True or False, got {getattr(config, name)!r}")
+            raise TypeError(
+                f"{name} must be True or False, got {getattr(config, name)!r}"
+            )
     if config.embedding_init not in EMBEDDING_INITS:
-        raise ValueError(f"embedding_init must be one of {EMBEDDING_INITS}, got {config.embedding_init!r}")
+        raise ValueError(
+            f"embedding_init must be one of {EMBEDDING_INITS}, got "
+            f"{config.embedding_init!r}"
+        )
     if not 0 <= config.length_penalty <= MAX_ALPHA:  # beam search's range; not nan, inf
         raise ValueError(f"length_penalty must lie in [0, {MAX_ALPHA:g}], "
                          f"got {config.length_penalty!r}")
     if config.profile not in ("quick", "laptop", "full"):
-        raise ValueError(f"profile must be 'quick', 'laptop' or 'full', got {config.profile!r}")
+        raise ValueError(
+            f"profile must be 'quick', 'laptop' or 'full', got {config.profile!r}"
+        )
 
 
 LAPTOP = TranslationConfig(
@@ -109,90 +151,150 @@ LAPTOP = TranslationConfig(
     sweep=True, seed=0, profile="laptop",
 )
 PROFILES = {
-    # the same recipe, tiny: one layer of width 64, 1,000 pieces, 350 steps, no dropout, no sweep
-    "quick": replace(LAPTOP, vocab_size=1000, max_len=30, N=1, d_model=64, d_ff=128, dropout=0.0, max_tokens=1000,
-                     steps=350, warmup=60, factor=0.35, checkpoint_every=25, average=3, eval_every=50,
-                     valid_limit=300, sweep=False, profile="quick"),
+    # the same recipe, tiny: one layer of width 64, 1,000 pieces, 350 steps, no dropout,
+    # no sweep
+    "quick": replace(
+        LAPTOP,
+        vocab_size=1000,
+        max_len=30,
+        N=1,
+        d_model=64,
+        d_ff=128,
+        dropout=0.0,
+        max_tokens=1000,
+        steps=350,
+        warmup=60,
+        factor=0.35,
+        checkpoint_every=25,
+        average=3,
+        eval_every=50,
+        valid_limit=300,
+        sweep=False,
+        profile="quick",
+    ),
     "laptop": LAPTOP,
-    # the base model's width, more dropout (all three kinds), bigger batches, for one GPU
-    "full": replace(LAPTOP, d_model=512, d_ff=2048, h=8, dropout=0.3, attention_dropout=0.3, activation_dropout=0.3,
-                    max_tokens=8192, steps=5000, warmup=1000, checkpoint_every=250, eval_every=500, profile="full"),
+    # the base model's width, more dropout (all three kinds), bigger batches, for one
+    # GPU
+    "full": replace(
+        LAPTOP,
+        d_model=512,
+        d_ff=2048,
+        h=8,
+        dropout=0.3,
+        attention_dropout=0.3,
+        activation_dropout=0.3,
+        max_tokens=8192,
+        steps=5000,
+        warmup=1000,
+        checkpoint_every=250,
+        eval_every=500,
+        profile="full",
+    ),
 }
 SETTINGS = tuple(f.name for f in fields(TranslationConfig) if f.name != "profile")
 
 
 def translation_config(profile: str | None = None, **overrides) -> TranslationConfig:
-    """The profile's settings (default: AT_PROFILE; "laptop" by name), with ``overrides``; None keeps a setting."""
+    """The profile's settings (default: AT_PROFILE; "laptop" by name), with
+    ``overrides``; None keeps a setting."""
     name = profile if profile == "laptop" else get_profile(profile)
     for key in overrides:
         if key not in SETTINGS:
-            raise ValueError(f"unknown setting {key!r}; expected one of {sorted(SETTINGS)}")
-    return replace(PROFILES[name], **{key: value for key, value in overrides.items() if value is not None})
+            raise ValueError(
+                f"unknown setting {key!r}; expected one of {sorted(SETTINGS)}"
+            )
+    return replace(
+        PROFILES[name],
+        **{key: value for key, value in overrides.items() if value is not None},
+    )
 
 
 def prepare_data(config: TranslationConfig):
-    """(tokenizer, training examples, validation examples) for ``config``; the tokenizer sees all training pairs."""
+    """(tokenizer, training examples, validation examples) for ``config``; the tokenizer
+    sees all training pairs."""
     train_pairs = load_split("train")
-    processor = load_tokenizer(train_tokenizer(train_pairs, vocab_size=config.vocab_size))
-    train_examples = encode_pairs(train_pairs[: config.train_limit], processor, config.max_len)
+    processor = load_tokenizer(
+        train_tokenizer(train_pairs, vocab_size=config.vocab_size)
+    )
+    train_examples = encode_pairs(
+        train_pairs[: config.train_limit], processor, config.max_len
+    )
     valid_examples = encode_pairs(load_split("valid")[: config.valid_limit], processor)
     return SentencePieces(processor), train_examples, valid_examples
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, examples, max_tokens: int = 4096, *, shuffle_sources: bool = False) -> float:
-    """Mean cross-entropy (nats per target token, </s> included) of ``examples``, teacher-forced, in eval mode;
-    with ``shuffle_sources=True``, each target gets the source of its neighbour in the batch."""
+def validation_loss(
+    model: nn.Module, examples, max_tokens: int = 4096, *, shuffle_sources: bool = False
+) -> float:
+    """Mean cross-entropy (nats per target token, </s> included) of ``examples``,
+    teacher-forced, in eval mode; with ``shuffle_sources=True``, each target gets the
+    source of its neighbour in the batch."""
     device = next(model.parameters()).device
     lengths = [(len(s), len(t)) for s, t in examples]
     total, count = 0.0, 0
     with evaluating(model):
-        for indices in token_batches(lengths, max(max_tokens, max(max(pair) for pair in lengths)), shuffle=False):
+        for indices in token_batches(
+            lengths, max(max_tokens, max(max(pair) for pair in lengths)), shuffle=False
+        ):
             batch = collate(examples, indices).to(device)
             src, src_mask = batch.src, batch.src_mask
             if shuffle_sources:
                 src, src_mask = src.roll(1, dims=0), src_mask.roll(1, dims=0)
-            log_probs = model.generator(model(src, batch.tgt, src_mask, batch.tgt_mask)).float()
-            total += nn.functional.nll_loss(log_probs.reshape(-1, log_probs.size(-1)), batch.tgt_y.reshape(-1),
-                                            ignore_index=PAD_ID, reduction="sum").item()
+            log_probs = model.generator(
+                model(src, batch.tgt, src_mask, batch.tgt_mask)
+            ).float()
+            total += nn.functional.nll_loss(
+                log_probs.reshape(-1, log_probs.size(-1)),
+                batch.tgt_y.reshape(-1),
+                ignore_index=PAD_ID,
+                reduction="sum",
+            ).item()
             count += batch.ntokens
     return total / count
 
 
 def save_translator(path, model: nn.Module, tokenizer: SentencePieces, *, step: int = 0,
                     extra: dict | None = None) -> Path:
-    """Save a checkpoint that holds the model, its configuration and its tokenizer (readable with weights_only)."""
+    """Save a checkpoint that holds the model, its configuration and its tokenizer
+    (readable with weights_only)."""
     return save_checkpoint(path, model=model, step=step, extra={
         "task": TASK, "tokenizer": tokenizer_to_tensor(tokenizer.processor),
         "tokenizer_sha256": tokenizer_digest(tokenizer.processor), **(extra or {})})
 
 
 def load_translator(path, device=None):
-    """(model in eval mode, tokenizer, checkpoint) from a translation checkpoint (average.pt or step_*.pt)."""
+    """(model in eval mode, tokenizer, checkpoint) from a translation checkpoint
+    (average.pt or step_*.pt)."""
     model, checkpoint = model_from_checkpoint(path, device)
     tokenizer = checkpoint_tokenizer(checkpoint, path)
     if not isinstance(tokenizer, SentencePieces):
-        raise ValueError(f"{path} holds no tokenizer and there is no {TOKENIZER_FILE} beside it: "
-                         "it is not a translation checkpoint")
+        raise ValueError(
+            f"{path} holds no tokenizer and there is no {TOKENIZER_FILE} beside it: it "
+            "is not a translation checkpoint"
+        )
     return model, tokenizer, checkpoint
 
 
 def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None,
                      amp=None, compile: bool = False, resume: bool = False,
                      progress: bool = True, log=print) -> dict:
-    """Train a Multi30k German-to-English translator as ``config`` says, in ``checkpoint_dir``.
+    """Train a Multi30k German-to-English translator as ``config`` says, in
+    ``checkpoint_dir``.
 
-    Returns a dict: the averaged model (eval mode), its tokenizer, the training history, the validation curve and
-    losses, the checkpoint ``average.pt``, the parameter count and the training seconds (summed over resumed runs).
-    ``amp`` is the precision (the runtime's ``choose_precision``: by the device);
-    ``compile`` is ``train``'s.
+    Returns a dict: the averaged model (eval mode), its tokenizer, the training history,
+    the validation curve and losses, the checkpoint ``average.pt``, the parameter count
+    and the training seconds (summed over resumed runs). ``amp`` is the precision (the
+    runtime's ``choose_precision``: by the device); ``compile`` is ``train``'s.
     """
     device = get_device(device)
     precision = choose_precision(device, amp)  # a refusal comes before any work
     log(f"precision: {precision}")
     tokenizer, train_examples, valid_examples = prepare_data(config)  # before a folder
     if not train_examples:
-        raise ValueError(f"no training pair is at most max_len={config.max_len} pieces long")
+        raise ValueError(
+            f"no training pair is at most max_len={config.max_len} pieces long"
+        )
     batches = EpochBatches(train_examples, config.max_tokens, seed=config.seed)
     with run_folder(checkpoint_dir, run_settings(config), resume=resume) as folder:
         checkpoint = resumed_checkpoint(folder, resume, config)
@@ -216,10 +318,18 @@ def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None,
                                step=config.steps, extra={
                                    "averaged": averaged["averaged"], "history": history,
                                    "valid": valid, "precision": precision.name})
-    return dict(model=model.eval(), tokenizer=tokenizer, history=history, valid=valid, checkpoint=path,
-                precision=precision.name, train_examples=len(train_examples),
-                train_seconds=seconds,
-                parameters=sum(p.numel() for p in model.parameters()), **averaged)
+    return dict(
+        model=model.eval(),
+        tokenizer=tokenizer,
+        history=history,
+        valid=valid,
+        checkpoint=path,
+        precision=precision.name,
+        train_examples=len(train_examples),
+        train_seconds=seconds,
+        parameters=sum(p.numel() for p in model.parameters()),
+        **averaged,
+    )
 
 
 UNRECORDED = ("steps", "test_limit", "beam_size", "length_penalty", "sweep", "profile")
@@ -244,13 +354,26 @@ def resumed_checkpoint(folder: Path, resume: bool, config: TranslationConfig):
 
 
 def build_translator(config: TranslationConfig, vocab: int, device):
-    """(model, optimizer, scheduler, loss_fn) of ``config``: tied embeddings, Adam, equation (3), label smoothing."""
-    model = make_model(vocab, vocab, N=config.N, d_model=config.d_model, d_ff=config.d_ff, h=config.h,
-                       dropout=config.dropout, attention_dropout=config.attention_dropout,
-                       activation_dropout=config.activation_dropout, norm_first=config.norm_first,
-                       embedding_init=config.embedding_init, share_embeddings=True).to(device)
+    """(model, optimizer, scheduler, loss_fn) of ``config``: tied embeddings, Adam,
+    equation (3), label smoothing."""
+    model = make_model(
+        vocab,
+        vocab,
+        N=config.N,
+        d_model=config.d_model,
+        d_ff=config.d_ff,
+        h=config.h,
+        dropout=config.dropout,
+        attention_dropout=config.attention_dropout,
+        activation_dropout=config.activation_dropout,
+        norm_first=config.norm_first,
+        embedding_init=config.embedding_init,
+        share_embeddings=True,
+    ).to(device)
     optimizer = make_optimizer(model)
-    scheduler = make_scheduler(optimizer, config.d_model, factor=config.factor, warmup=config.warmup)
+    scheduler = make_scheduler(
+        optimizer, config.d_model, factor=config.factor, warmup=config.warmup
+    )
     return model, optimizer, scheduler, LabelSmoothing(vocab, PAD_ID, config.smoothing)
 
 
@@ -265,13 +388,17 @@ def train_with_validation(model: nn.Module, batches, valid_examples,
     valid_file, points = folder / "valid.json", {}
     done = checkpoint["step"] if checkpoint else 0
     if done and valid_file.exists():
-        try:  # bad JSON or UTF-8, or lists of different lengths: ValueError; another structure: KeyError, TypeError
+        # bad JSON or UTF-8, or lists of different lengths: ValueError; another
+        # structure: KeyError, TypeError
+        try:
             history = json.loads(valid_file.read_text(encoding="utf-8"))
             pairs = zip(history["step"], history["loss"], strict=True)
             points = {int(step): float(loss) for step, loss in pairs}
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{valid_file} is damaged (not a history of validation steps and losses): delete it "
-                             f"to resume without the earlier validation losses") from None
+            raise ValueError(
+                f"{valid_file} is damaged (not a history of validation steps and "
+                "losses): delete it to resume without the earlier validation losses"
+            ) from None
     stored = (checkpoint or {}).get("extra", {}).get("valid") or {"step": []}
     points = {**dict(zip(stored["step"], stored.get("loss", []))), **points}
     steps, every = config.steps, config.eval_every
@@ -312,28 +439,49 @@ def train_with_validation(model: nn.Module, batches, valid_examples,
     return history, valid, before + time.perf_counter() - started - sum(validating)
 
 
-def average_last_checkpoints(model: nn.Module, folder: Path, valid_examples, config: TranslationConfig, *,
-                             log=print) -> dict:
-    """Load the mean of the newest ``average`` checkpoints into ``model``; measure what averaging was worth."""
-    kept = [path for path in list_checkpoints(folder) if checkpoint_problem(path) is None][-config.average:]
-    averaging = {"checkpoints": [], "loss": []}        # validation loss of the mean of the newest k checkpoints
+def average_last_checkpoints(
+    model: nn.Module,
+    folder: Path,
+    valid_examples,
+    config: TranslationConfig,
+    *,
+    log=print,
+) -> dict:
+    """Load the mean of the newest ``average`` checkpoints into ``model``; measure what
+    averaging was worth."""
+    kept = [
+        path for path in list_checkpoints(folder) if checkpoint_problem(path) is None
+    ][-config.average :]
+    # validation loss of the mean of the newest k checkpoints
+    averaging = {"checkpoints": [], "loss": []}
     for k in range(1, len(kept) + 1):
         model.load_state_dict(average_checkpoints(kept[-k:]))
         averaging["checkpoints"].append(k)
         averaging["loss"].append(validation_loss(model, valid_examples))
     last_loss, averaged_loss = averaging["loss"][0], averaging["loss"][-1]
     shuffled_loss = validation_loss(model, valid_examples, shuffle_sources=True)
-    log(f"validation loss: last checkpoint {last_loss:.3f}, average of {len(kept)} {averaged_loss:.3f} "
-        f"({shuffled_loss:.3f} with the sources shuffled: the model reads its source if this is clearly higher)")
-    return dict(averaged=[p.name for p in kept], averaging=averaging, last_valid_loss=last_loss,
-                averaged_valid_loss=averaged_loss, shuffled_valid_loss=shuffled_loss)
+    log(
+        f"validation loss: last checkpoint {last_loss:.3f}, average of {len(kept)} "
+        f"{averaged_loss:.3f} ({shuffled_loss:.3f} with the sources shuffled: the "
+        "model reads its source if this is clearly higher)"
+    )
+    return dict(
+        averaged=[p.name for p in kept],
+        averaging=averaging,
+        last_valid_loss=last_loss,
+        averaged_valid_loss=averaged_loss,
+        shuffled_valid_loss=shuffled_loss,
+    )
 
 
 def bleu(hypotheses: list[str], references: list[str], *, lowercase: bool = False):
-    """Corpus BLEU of detokenised ``hypotheses`` against one reference each: (sacreBLEU score, signature string).
-    Cased by default (the standard); ``lowercase=True`` approximates older tutorials' lower-cased BLEU."""
+    """Corpus BLEU of detokenised ``hypotheses`` against one reference each: (sacreBLEU
+    score, signature string). Cased by default (the standard); ``lowercase=True``
+    approximates older tutorials' lower-cased BLEU."""
     if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+        raise ValueError(
+            f"{len(hypotheses)} hypotheses but {len(references)} references"
+        )
     if not references:
         raise ValueError("BLEU needs at least one sentence")
     metric = sacrebleu.metrics.BLEU(lowercase=lowercase)
@@ -341,21 +489,45 @@ def bleu(hypotheses: list[str], references: list[str], *, lowercase: bool = Fals
     return score, str(metric.get_signature())
 
 
-def evaluate_bleu(model: nn.Module, tokenizer: SentencePieces, pairs, *, beam_size: int = 1,
-                  length_penalty: float = 0.6, batch_size: int = 100) -> dict:
-    """Translate the sources of ``pairs`` and score them: cased and lower-cased BLEU with signatures, lengths, time."""
+def evaluate_bleu(
+    model: nn.Module,
+    tokenizer: SentencePieces,
+    pairs,
+    *,
+    beam_size: int = 1,
+    length_penalty: float = 0.6,
+    batch_size: int = 100,
+) -> dict:
+    """Translate the sources of ``pairs`` and score them: cased and lower-cased BLEU
+    with signatures, lengths, time."""
     start = time.perf_counter()
-    hypotheses = translate(model, tokenizer, [source for source, _ in pairs], beam_size=beam_size,
-                           length_penalty=length_penalty, batch_size=batch_size)
+    hypotheses = translate(
+        model,
+        tokenizer,
+        [source for source, _ in pairs],
+        beam_size=beam_size,
+        length_penalty=length_penalty,
+        batch_size=batch_size,
+    )
     seconds = time.perf_counter() - start
     references = [target for _, target in pairs]
     cased, signature = bleu(hypotheses, references)
     lower, lower_signature = bleu(hypotheses, references, lowercase=True)
-    return dict(sentences=len(pairs), beam_size=beam_size, length_penalty=length_penalty if beam_size > 1 else None,
-                bleu=round(cased.score, 2), signature=signature, bleu_lowercase=round(lower.score, 2),
-                signature_lowercase=lower_signature, precisions=[round(p, 1) for p in cased.precisions],
-                brevity_penalty=round(cased.bp, 3), hyp_len=cased.sys_len, ref_len=cased.ref_len,
-                seconds=round(seconds, 1), hypotheses=hypotheses)
+    return dict(
+        sentences=len(pairs),
+        beam_size=beam_size,
+        length_penalty=length_penalty if beam_size > 1 else None,
+        bleu=round(cased.score, 2),
+        signature=signature,
+        bleu_lowercase=round(lower.score, 2),
+        signature_lowercase=lower_signature,
+        precisions=[round(p, 1) for p in cased.precisions],
+        brevity_penalty=round(cased.bp, 3),
+        hyp_len=cased.sys_len,
+        ref_len=cased.ref_len,
+        seconds=round(seconds, 1),
+        hypotheses=hypotheses,
+    )
 
 
 def bleu_bootstrap(pairs, translations: dict, baseline, samples: int = 1000) -> dict:
@@ -376,9 +548,12 @@ def bleu_bootstrap(pairs, translations: dict, baseline, samples: int = 1000) -> 
 
 @torch.no_grad()
 def attention_maps(model: nn.Module, source: list[int], target: list[int]) -> dict:
-    """Attention weights for one pair of ids (``source`` ending in </s>, ``target`` without <s>): 'encoder', (N, h,
-    S, S) per encoder layer, and 'cross', (N, h, T, S) per decoder layer, row t predicting ``target[t]``."""
-    modules = [layer.self_attn for layer in model.encoder.layers] + [layer.src_attn for layer in model.decoder.layers]
+    """Attention weights for one pair of ids (``source`` ending in </s>, ``target``
+    without <s>): 'encoder', (N, h, S, S) per encoder layer, and 'cross', (N, h, T, S)
+    per decoder layer, row t predicting ``target[t]``."""
+    modules = [layer.self_attn for layer in model.encoder.layers] + [
+        layer.src_attn for layer in model.decoder.layers
+    ]
     device = next(model.parameters()).device
     src = torch.tensor([source], device=device)
     tgt = torch.tensor([[BOS_ID] + list(target)[:-1]], device=device)
@@ -395,14 +570,27 @@ def attention_maps(model: nn.Module, source: list[int], target: list[int]) -> di
     return {"encoder": torch.stack(weights[:n]), "cross": torch.stack(weights[n:])}
 
 
-def cross_attention_example(model: nn.Module, tokenizer: SentencePieces, sentence: str, *, beam_size: int = 1,
-                            length_penalty: float = 0.6) -> dict:
-    """Translate ``sentence``; its pieces, the output's (with </s>) and the last decoder layer's cross-attention
-    (mean of heads; ``weights[t][s]``: target piece t to source piece s), as plain lists for a results file."""
+def cross_attention_example(
+    model: nn.Module,
+    tokenizer: SentencePieces,
+    sentence: str,
+    *,
+    beam_size: int = 1,
+    length_penalty: float = 0.6,
+) -> dict:
+    """Translate ``sentence``; its pieces, the output's (with </s>) and the last decoder
+    layer's cross-attention (mean of heads; ``weights[t][s]``: target piece t to source
+    piece s), as plain lists for a results file."""
     source = tokenizer.encode(sentence)
-    target = translate_ids(model, tokenizer, [source], beam_size=beam_size, length_penalty=length_penalty)[0]
+    target = translate_ids(
+        model, tokenizer, [source], beam_size=beam_size, length_penalty=length_penalty
+    )[0]
     target = target + [EOS_ID]
     weights = attention_maps(model, source, target)["cross"][-1].mean(dim=0)
-    return dict(sentence=sentence, translation=tokenizer.decode(target[:-1]),
-                source=[tokenizer.piece(i) for i in source], target=[tokenizer.piece(i) for i in target],
-                weights=[[round(w, 4) for w in row] for row in weights.tolist()])
+    return dict(
+        sentence=sentence,
+        translation=tokenizer.decode(target[:-1]),
+        source=[tokenizer.piece(i) for i in source],
+        target=[tokenizer.piece(i) for i in target],
+        weights=[[round(w, 4) for w in row] for row in weights.tolist()],
+    )
