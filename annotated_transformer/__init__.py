@@ -39,6 +39,9 @@ import importlib
 import sys
 import types
 
+# the version of pyproject.toml, copied by the tangler
+__version__ = "0.1.0"
+
 # {public name: its module}; each chapter lists its names in the 'api:' key of its front matter.
 _API = {
     "get_profile": "runtime",

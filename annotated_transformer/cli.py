@@ -16,6 +16,7 @@ import warnings
 from dataclasses import fields
 from pathlib import Path
 
+from annotated_transformer import __version__
 from annotated_transformer.download import (check_places, decode_lines, error_line,
                                             read_parallel, read_stream)
 
@@ -735,6 +736,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             "The Annotated Transformer: tangle the book, train, translate and evaluate."
         ),
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(
         dest="command",
         metavar="COMMAND",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -253,6 +254,16 @@ sys.modules[__name__].__class__ = _Package
 '''
 
 
+def project_version(root: Path) -> str:
+    """The ``version`` of the ``[project]`` table of ``root``'s pyproject.toml."""
+    text = (root / "pyproject.toml").read_text(encoding="utf-8")
+    table = re.split(r"(?m)^\[", text.split("\n[project]\n", 1)[-1])[0]
+    found = re.search(r'(?m)^version\s*=\s*"([^"]+)"', table)
+    if not found:
+        raise ValueError(f"{root / 'pyproject.toml'} has no version in [project]")
+    return found.group(1)
+
+
 def render_init(chapters: list[Chapter], root: Path, api: dict[str, str]) -> str:
     lines = [
         HEADER.format(source="_toc.yml"),
@@ -274,6 +285,11 @@ def render_init(chapters: list[Chapter], root: Path, api: dict[str, str]) -> str
         "",
     ]
     lines += ["import importlib", "import sys", "import types", ""]
+    lines += [
+        "# the version of pyproject.toml, copied by the tangler",
+        f'__version__ = "{project_version(root)}"',
+        "",
+    ]
     lines.append(
         "# {public name: its module}; each chapter lists its names in the 'api:' key "
         "of its front matter."
@@ -416,8 +432,22 @@ def run(check: bool = False, root: Path | str | None = None) -> int:
     return 1 if orphans else 0
 
 
+def run_without_command_line(arguments: list[str]) -> int:
+    """Tangle (or ``--check``) the book found from the current folder, when ``cli.py``
+    does not import; its other options need the command line."""
+    if set(arguments) - {"--check"}:
+        print("the command line does not import, so only `python -m "
+              "annotated_transformer.tangle [--check]` works", file=sys.stderr)
+        return 2
+    return run(check="--check" in arguments)
+
+
 if __name__ == "__main__":  # in a Jupyter kernel too
     if __package__:  # set by `python -m`; None in a kernel and in a plain script
-        from annotated_transformer.cli import main
-
+        try:
+            from annotated_transformer.cli import main
+        except Exception as error:  # a broken cli.py must not lock the tangler out
+            print(f"cli.py does not import ({type(error).__name__}: {error}); "
+                  "tangling without it", file=sys.stderr)
+            raise SystemExit(run_without_command_line(sys.argv[1:]))
         raise SystemExit(main(["tangle", *sys.argv[1:]]))

@@ -46,7 +46,7 @@ def test_saving_a_chapter_in_jupyterlab_changes_nothing():
 
 
 def test_the_tangle_check_passes_after_every_chapter_is_saved(tmp_path, capsys):
-    for name in ("_toc.yml", "book", "annotated_transformer"):
+    for name in ("_toc.yml", "pyproject.toml", "book", "annotated_transformer"):
         source = ROOT / name
         (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / name)
     for path in notebook_chapters():

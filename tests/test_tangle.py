@@ -45,9 +45,11 @@ VALUE = 1
 
 
 def copy_repository(destination: Path) -> Path:
-    """Copy what the tangler reads and writes: `_toc.yml`, `book/` and the package."""
+    """Copy what the tangler reads and writes: `_toc.yml`, `pyproject.toml` (the version), `book/` and the
+    package."""
     destination.mkdir()
     shutil.copy2(ROOT / "_toc.yml", destination / "_toc.yml")
+    shutil.copy2(ROOT / "pyproject.toml", destination / "pyproject.toml")
     ignore = shutil.ignore_patterns(".ipynb_checkpoints", "_build", "__pycache__")
     shutil.copytree(ROOT / "book", destination / "book", ignore=ignore)
     shutil.copytree(ROOT / PACKAGE, destination / PACKAGE, ignore=ignore)
@@ -394,3 +396,27 @@ def test_a_broken_book_is_one_line_naming_the_file(synced: Path, breakage, expec
     assert "Traceback" not in result.stderr and expected in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "stale" not in result.stderr and "orphan" not in result.stderr
+
+
+def test_a_broken_cli_does_not_lock_the_tangler_out(synced: Path) -> None:
+    """A typo tangled into cli.py: `python -m annotated_transformer.tangle` still runs (from its own module),
+    says why it runs without the command line, and writes cli.py back from the chapter."""
+    cli = synced / PACKAGE / "cli.py"
+    good = cli.read_text(encoding="utf-8")
+    cli.write_text(good + "\ndef typo(:\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "annotated_transformer.tangle"],
+                          capture_output=True, text=True, timeout=120, cwd=synced)
+    assert done.returncode == 0, done.stderr
+    assert "cli.py does not import (SyntaxError" in done.stderr
+    assert cli.read_text(encoding="utf-8") == good
+    assert run_check(synced).returncode == 0
+
+
+def test_the_version_is_pyprojects() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    done = run_python("import annotated_transformer as a; print(a.__version__)")
+    assert done.stdout.strip() == project["version"], done.stderr
+    version = subprocess.run([sys.executable, "-m", "annotated_transformer", "--version"],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert version.returncode == 0 and version.stdout.split() == ["python", "-m", PACKAGE, project["version"]]
