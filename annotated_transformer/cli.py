@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import math
 import os
 import signal
@@ -17,8 +18,9 @@ from dataclasses import fields
 from pathlib import Path
 
 from annotated_transformer import __version__
-from annotated_transformer.download import (check_places, decode_lines, error_line,
-                                            read_parallel, read_stream)
+from annotated_transformer.download import (RELEASE_URL, check_places, decode_lines,
+                                            download_model, error_line, read_parallel,
+                                            read_stream)
 
 
 def checked(kind, allowed, expected: str):
@@ -708,6 +710,25 @@ def run_evaluate(args) -> int:
     return 0
 
 
+def add_download_model(subparsers) -> None:
+    parser = subparsers.add_parser("download-model", help=COMMANDS["download-model"][0])
+    parser.add_argument("--url", required=True, help=f"the release, as {RELEASE_URL}")
+    parser.add_argument("--model-dir", type=Path, default=Path("runs/downloaded"),
+                        help="the folder to save it in (default: runs/downloaded)")
+    parser.set_defaults(run=run_download_model)
+
+
+def run_download_model(args) -> int:
+    files = download_model(args.url, args.model_dir)
+    record = json.loads(files["multi30k-laptop.json"].read_text(encoding="utf-8"))
+    bleu = record.get("test", {}).get("beam", {}).get("bleu", "?")
+    print(f"{args.model_dir}: the translator of the release, with its record (test "
+          f"BLEU {bleu}); translate:\n"
+          f'echo "Ein Hund rennt." | python -m annotated_transformer translate '
+          f"--checkpoint {files['average.pt']}")
+    return 0
+
+
 COMMANDS = {
     "tangle": ("regenerate (or --check) the package from the book", add_tangle),
     "train": ("train a model (tasks: copy, multi30k)", add_train),
@@ -724,6 +745,7 @@ COMMANDS = {
         "benchmark training, attention, decoding and the layers of Table 1",
         add_bench,
     ),
+    "download-model": ("fetch a released translator", add_download_model),
 }
 
 
@@ -736,7 +758,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             "The Annotated Transformer: tangle the book, train, translate and evaluate."
         ),
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}"
+    )
     subparsers = parser.add_subparsers(
         dest="command",
         metavar="COMMAND",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import http.client
 import errno
 import os
 import re
@@ -71,9 +72,12 @@ def verify(path: Path, name: str) -> Path:
     return path
 
 
-def download(url: str, destination: Path, name: str) -> Path:
-    """Download to a temporary file next to ``destination``, verify, then rename: never
-    a partial file."""
+def download(
+    url: str, destination: Path, name: str, expected: str | None = None
+) -> Path:
+    """Download to a temporary file next to ``destination``, verify its SHA-256 (the
+    Multi30k file ``name``'s, or ``expected``), then rename: never a partial file."""
+    digest = expected or MULTI30K_FILES[name]
     destination.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(
         dir=destination.parent, prefix=f".{name}.", suffix=".part"
@@ -85,16 +89,21 @@ def download(url: str, destination: Path, name: str) -> Path:
         # open (and locked) until the rename
         with os.fdopen(handle, "wb") as stream:
             with urllib.request.urlopen(url, timeout=60) as response:
+                size, received = response.headers.get("Content-Length"), 0
                 for block in iter(lambda: response.read(1 << 16), b""):
-                    stream.write(block)
+                    received += stream.write(block)
+            if size is not None and received != int(size):  # the connection broke
+                raise ConnectionError(f"the download of {url} broke off after "
+                                      f"{received:,} of {int(size):,} bytes")
             stream.flush()
             actual = sha256(Path(temporary))
-            if actual != MULTI30K_FILES[name]:
+            if actual != digest:
+                advice = (f"; put a copy with the expected digest in a folder named "
+                          f"by {DATA_ENV}" if expected is None else "")
                 raise ValueError(
-                    f"the download of {url} has SHA-256 {actual}, expected "
-                    f"{MULTI30K_FILES[name]}: it is corrupt or not the Multi30k "
-                    f"{name}, and nothing was saved to {destination}; put a copy with "
-                    f"the expected digest in a folder named by {DATA_ENV}"
+                    f"the download of {url} has SHA-256 {actual}, expected {digest}: "
+                    f"it is corrupt or not {'the Multi30k ' * (expected is None)}"
+                    f"{name}, and nothing was saved to {destination}{advice}"
                 )
             os.replace(temporary, destination)
     finally:
@@ -257,7 +266,8 @@ def os_error_line(error: OSError, files: dict | None = None) -> str:
 
 
 # The command line's options that name a place to write: (what goes there, a folder?)
-OUTPUTS = {"checkpoint_dir": ("checkpoints", True), "results": ("the results", False),
+OUTPUTS = {"checkpoint_dir": ("checkpoints", True), "model_dir": ("the model", True),
+           "results": ("the results", False),
            "output": ("the translations", False), "json": ("the results", False)}
 INPUTS = {"checkpoint", "input", "source", "reference", "root"}  # the files read
 
@@ -307,3 +317,49 @@ def error_line(error: Exception, args) -> str:
     if isinstance(error, RuntimeError):
         message = f"out of memory for the sizes asked for ({error})"
     return "error: " + " ".join(str(message).splitlines())
+
+
+MODEL_FILES = ("average.pt", "tokenizer.model", "multi30k-laptop.json")
+MODEL_SUMS = "SHA256SUMS"
+RELEASE_URL = "https://github.com/OWNER/NAME/releases/latest/download/"  # the form
+
+
+def read_sums(text: str, source: str) -> dict[str, str]:
+    """{file name: SHA-256} of a ``sha256sum`` listing that names every MODEL_FILES."""
+    sums = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        found = re.fullmatch(r"([0-9a-f]{64}) [ *]([\w.-]+)", line.strip())
+        if line.strip() and not found:
+            raise ValueError(f"{source}, line {number}: not a SHA-256 and a file name")
+        if found:
+            sums[found.group(2)] = found.group(1)
+    missing = [name for name in MODEL_FILES if name not in sums]
+    if missing:
+        raise ValueError(f"{source} lists no SHA-256 for {', '.join(missing)}")
+    return sums
+
+
+def download_model(url: str, folder) -> dict[str, Path]:
+    """Fetch the MODEL_FILES of the release at ``url`` (a folder URL) into ``folder``,
+    each verified against the release's SHA256SUMS; {name: path}."""
+    url, folder = url if url.endswith("/") else url + "/", Path(folder)
+    try:
+        with urllib.request.urlopen(url + MODEL_SUMS, timeout=60) as response:
+            sums = read_sums(response.read(1 << 16).decode(), url + MODEL_SUMS)
+    except (urllib.error.URLError, OSError, http.client.HTTPException,
+            UnicodeDecodeError) as error:
+        raise FileNotFoundError(f"could not read {url}{MODEL_SUMS} ({error}); is "
+                                f"{url} a release of the translator?") from error
+    fetched = {}
+    for name in MODEL_FILES:
+        path = folder / name
+        remove_stale_parts(path)  # left by a download that was killed
+        if not (path.is_file() and sha256(path) == sums[name]):
+            try:
+                download(url + name, path, name, expected=sums[name])
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+                raise FileNotFoundError(
+                    f"could not download {url}{name} ({error}); nothing was saved to "
+                    f"{path}: run the command again to start it again") from error
+        fetched[name] = path
+    return fetched

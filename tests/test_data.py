@@ -147,6 +147,8 @@ def test_offline_message_says_what_to_do(offline, monkeypatch):
 
 def test_interrupted_download_leaves_no_partial_file(offline, monkeypatch):
     class Broken:
+        headers = {}  # no Content-Length
+
         def __init__(self):
             self.calls = 0
 

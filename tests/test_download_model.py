@@ -1,0 +1,67 @@
+"""`python -m annotated_transformer download-model` against a local web server that plays a release: fetched and
+verified, refused in one line when the bytes differ from their digest, and a useful line when there is no release."""
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from annotated_transformer.download import MODEL_FILES, MODEL_SUMS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def release(tmp_path):
+    """A folder served on the loopback interface as a release: the model files and their SHA256SUMS."""
+    folder = tmp_path / "release"
+    folder.mkdir()
+    contents = {"average.pt": b"weights" * 1000, "tokenizer.model": b"pieces" * 100,
+                "multi30k-laptop.json": json.dumps({"test": {"beam": {"bleu": 40.0}}}).encode()}
+    assert set(contents) == set(MODEL_FILES)
+    for name, data in contents.items():
+        (folder / name).write_bytes(data)
+    (folder / MODEL_SUMS).write_text("".join(f"{hashlib.sha256(data).hexdigest()}  {name}\n"
+                                             for name, data in contents.items()))
+    handler = lambda *args, **kwargs: http.server.SimpleHTTPRequestHandler(*args, directory=str(folder), **kwargs)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield folder, f"http://127.0.0.1:{server.server_port}/"
+    server.shutdown()
+
+
+def download(url: str, model_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "annotated_transformer", "download-model", "--url", url,
+                           "--model-dir", str(model_dir)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_download_model_fetches_verifies_and_says_how_to_translate(release, tmp_path):
+    folder, url = release
+    done = download(url, tmp_path / "model")
+    assert done.returncode == 0, done.stderr
+    for name in MODEL_FILES:
+        assert (tmp_path / "model" / name).read_bytes() == (folder / name).read_bytes()
+    assert "BLEU 40.0" in done.stdout and f"translate --checkpoint {tmp_path / 'model' / 'average.pt'}" in done.stdout
+
+
+def test_download_model_refuses_bytes_that_differ_in_one_line(release, tmp_path):
+    folder, url = release
+    (folder / "tokenizer.model").write_bytes(b"something else")
+    done = download(url, tmp_path / "model")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: the download of")
+    assert "tokenizer.model" in done.stderr and "nothing was saved" in done.stderr
+    assert not (tmp_path / "model" / "tokenizer.model").exists()
+    assert not list((tmp_path / "model").glob(".*.part"))
+
+
+def test_download_model_without_a_release_says_so(tmp_path):
+    done = download("http://127.0.0.1:9/", tmp_path / "model")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "is http://127.0.0.1:9/ a release of the translator?" in done.stderr
