@@ -49,11 +49,14 @@ check: $(STAMP)
 
 # Every chapter executed (JOBS at a time, into a fresh cache), warnings are errors, a failing cell fails the build.
 # The chapters are also written as notebooks (book/*.ipynb, git-ignored) for the launch and download buttons, after
-# the execution: their text shows the numbers that the executed chapters glued (scripts/notebooks.py).
+# the execution: their text shows the numbers that the executed chapters glued (scripts/notebooks.py). The build
+# reads _config.yml through scripts/notebooks.py config, which leaves out the buttons that need a repository until
+# one is named.
 html: $(STAMP)
 	$(PY) scripts/execute_chapters.py
+	$(PY) scripts/notebooks.py config
 	$(PY) scripts/notebooks.py write
-	$(VENV)/bin/jupyter-book build . --all -W -n --keep-going
+	$(VENV)/bin/jupyter-book build . --config _build/_config.yml --all -W -n --keep-going
 	$(PY) scripts/notebooks.py downloads
 
 book: check html

@@ -56,19 +56,28 @@ class RepositoryError(ValueError):
     """`_config.yml` names no usable GitHub repository."""
 
 
-def repository(root: Path = ROOT) -> dict[str, str]:
-    """The repository settings of `_config.yml`, and what derives from them.
+PLACEHOLDER_OWNER = "OWNER"  # of the example address in comments and messages, never a real one
+
+
+def repository(root: Path = ROOT) -> dict[str, str] | None:
+    """The repository settings of `_config.yml`, and what derives from them; None while `repository.url` is empty
+    (no repository publishes the book yet).
 
     Returns ``url``, ``branch`` (the launch branch), ``owner``, ``name`` and ``pages`` (the GitHub Pages address
     of the published book).
     """
     config = yaml.safe_load((root / "_config.yml").read_text(encoding="utf-8"))
     settings = config.get("repository") or {}
-    url = str(settings.get("url", "")).rstrip("/")
+    url = str(settings.get("url") or "").strip().rstrip("/")
+    if not url:
+        return None
     parts = urlsplit(url)
     path = [part for part in parts.path.split("/") if part]
     if parts.scheme != "https" or parts.netloc != "github.com" or len(path) != 2:
         raise RepositoryError(f"_config.yml: repository.url must be https://github.com/OWNER/NAME, got {url!r}")
+    if path[0] == PLACEHOLDER_OWNER:
+        raise RepositoryError(f"_config.yml: repository.url is a placeholder ({url}): name your repository, or "
+                              "leave it empty")
     branch = str(settings.get("branch", "")).strip()
     if not branch:
         raise RepositoryError("_config.yml: repository.branch (the branch the launch buttons open) is missing")
@@ -77,17 +86,71 @@ def repository(root: Path = ROOT) -> dict[str, str]:
             "pages": f"https://{owner.lower()}.github.io/{name}/"}
 
 
+NO_REPOSITORY = ("note: _config.yml names no repository (repository.url is empty), so the book is built without "
+                 "launch (Binder, Colab) and repository buttons and its notebooks without the install cell; set "
+                 "repository.url to https://github.com/OWNER/NAME to turn them on (the book workflow does it for "
+                 "the repository it runs in)")
+# the keys of `_config.yml` that point at the repository, and the switches of the theme's buttons that use them
+REPOSITORY_SWITCHES = ("use_repository_button", "use_issues_button", "use_edit_page_button")
+
+
+def build_config(root: Path = ROOT) -> dict:
+    """The configuration the build uses: `_config.yml`, less everything that points at the repository when none
+    is set."""
+    config = yaml.safe_load((root / "_config.yml").read_text(encoding="utf-8"))
+    sphinx = config.get("sphinx") or {}
+    if sphinx.get("local_extensions"):  # folders, which the build finds from the config file's own folder
+        sphinx["local_extensions"] = {name: str((root / folder).resolve())
+                                      for name, folder in sphinx["local_extensions"].items()}
+    if repository(root) is None:
+        config.pop("repository", None)
+        config.pop("launch_buttons", None)
+        config["html"] = {**(config.get("html") or {}), **{switch: False for switch in REPOSITORY_SWITCHES}}
+    return config
+
+
+def write_build_config(root: Path = ROOT) -> Path:
+    """Write `build_config` next to `_config.yml` as `_build/_config.yml`, saying once what is left out."""
+    if repository(root) is None:
+        print(NO_REPOSITORY, file=sys.stderr)
+    target = root / "_build" / "_config.yml"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("# Written by scripts/notebooks.py config from _config.yml: edit that one.\n"
+                      + yaml.safe_dump(build_config(root), sort_keys=False, allow_unicode=True), encoding="utf-8")
+    return target
+
+
+def set_repository(root: Path, url: str) -> bool:
+    """Write ``url`` as `repository.url` of `_config.yml` if it names none (the book workflow, for the repository
+    it runs in); True if it was written."""
+    if repository(root) is not None:
+        return False
+    config_file = root / "_config.yml"
+    text = config_file.read_text(encoding="utf-8")
+    new, count = re.subn(r'(?m)^(repository:\n(?:[ \t]*#.*\n)*[ \t]+url:)[^\n]*$', rf'\1 "{url}"', text)
+    if count != 1:
+        raise RepositoryError("_config.yml: no `url:` line right under `repository:` to write the address in")
+    config_file.write_text(new, encoding="utf-8")
+    if repository(root) is None:  # validates the address too
+        raise RepositoryError(f"_config.yml: could not set repository.url to {url!r}")
+    return True
+
+
 def install_cell(root: Path = ROOT):
+    """The first cell of a notebook, which gets the package where it is missing; None without a repository."""
     import nbformat
 
     repo = repository(root)
+    if repo is None:
+        return None
     source = INSTALL_CELL.format(url=repo["url"] + ".git", folder=repo["name"])
     return nbformat.v4.new_code_cell(source, metadata={"tags": [INSTALL_TAG]})
 
 
 def with_install_cell(notebook, root: Path = ROOT):
-    """`notebook` with the install cell first (once: an existing one is replaced)."""
-    notebook.cells = [install_cell(root)] + [
+    """`notebook` with the install cell first (once: an existing one is replaced), if a repository is set."""
+    cell = install_cell(root)
+    notebook.cells = ([cell] if cell is not None else []) + [
         cell for cell in notebook.cells if INSTALL_TAG not in cell.get("metadata", {}).get("tags", [])
     ]
     return notebook
@@ -491,15 +554,25 @@ def executed_values(notebook, path: Path, root: Path) -> dict[str, dict] | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=["write", "downloads", "repository"])
+    parser.add_argument("step", choices=["config", "write", "downloads", "repository", "set-repository"])
+    parser.add_argument("url", nargs="?", help="set-repository: the address to write where _config.yml has none")
     parser.add_argument("--root", type=Path, default=ROOT)
     parser.add_argument("--site", type=Path, default=None, help="the built site (default: ROOT/_build/html)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     try:
         if args.step == "repository":
-            for key, value in repository(root).items():
+            for key, value in (repository(root) or {}).items():
                 print(f"{key}={value}")
+            return 0
+        if args.step == "config":
+            print(f"config: {write_build_config(root).relative_to(root)}")
+            return 0
+        if args.step == "set-repository":
+            if not args.url:
+                parser.error("set-repository needs the address, https://github.com/OWNER/NAME")
+            written = set_repository(root, args.url)
+            print(f"repository.url: {repository(root)['url']}{'' if written else ' (already set)'}")
             return 0
         done = write(root) if args.step == "write" else downloads(root, args.site or root / "_build" / "html")
     except (RepositoryError, FileNotFoundError, OSError) as error:

@@ -70,6 +70,8 @@ TIMEOUT_S = 120  # wall-clock limit for one Chromium run over all pages
 class PageScan:
     images: list[str] = field(default_factory=list)
     scripts: list[str] = field(default_factory=list)  # src of <script> and href of <link>
+    links: list[str] = field(default_factory=list)  # href of <a>
+    ids: set[str] = field(default_factory=set)  # the page's anchors: every id, and <a name>
 
 
 class _Scanner(HTMLParser):
@@ -79,6 +81,11 @@ class _Scanner(HTMLParser):
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attributes = dict(attrs)
+        for key in ("id", "name" if tag == "a" else "id"):
+            if attributes.get(key):
+                self.scan.ids.add(attributes[key])
+        if tag == "a" and attributes.get("href"):
+            self.scan.links.append(attributes["href"])
         if tag == "img" and attributes.get("src") is not None:
             self.scan.images.append(attributes["src"])
         elif tag == "script" and attributes.get("src"):
@@ -129,6 +136,42 @@ def static_problems(site: Path, page: str) -> list[str]:
         elif not local_file(site, page, src).is_file():
             problems.append(f"{page}: MathJax script {src!r} does not exist")
     return problems
+
+
+# The example address of `_config.yml`'s comments; a link to it (or to its Pages site) is a dead link.
+PLACEHOLDER_LINK = re.compile(r"github\.com/OWNER/|//owner\.github\.io/", re.IGNORECASE)
+
+
+def link_problems(site: Path, page: str, anchors) -> list[str]:
+    """Dead links of one built page: to a file of the site that does not exist, to an anchor that its page does not
+    have, or to the placeholder repository. ``anchors(path)`` gives the ids of a page of the site."""
+    problems = []
+    for href in scan_page(site / page).links:
+        if PLACEHOLDER_LINK.search(href):
+            problems.append(f"{page}: a link to the placeholder repository: {href}")
+            continue
+        parts = urlsplit(href)
+        if is_remote(href) or parts.scheme in ("mailto", "javascript"):
+            continue
+        target = local_file(site, page, href) if parts.path else (site / page).resolve()
+        if target.is_dir():
+            target = target / "index.html"
+        if not target.is_relative_to(site.resolve()) or not target.is_file():
+            problems.append(f"{page}: a link to {href}, which is not a file of the site")
+        elif parts.fragment and target.suffix == ".html" and unquote(parts.fragment) not in anchors(target):
+            problems.append(f"{page}: a link to {href}, whose page has no anchor {parts.fragment!r}")
+    return problems
+
+
+def site_pages(site: Path) -> list[str]:
+    """Every HTML page of the site but the theme's own files (under `_static/` and the like)."""
+    return sorted(path.relative_to(site).as_posix() for path in site.rglob("*.html")
+                  if not path.relative_to(site).parts[0].startswith("_"))
+
+
+def check_links(site: Path) -> list[str]:
+    anchors = functools.lru_cache(maxsize=None)(lambda path: frozenset(scan_page(path).ids))
+    return [problem for page in site_pages(site) for problem in link_problems(site, page, anchors)]
 
 
 # Inline math as dollarmath reads it: no space after the opening $, none before the closing $.
@@ -460,6 +503,39 @@ def test_pages_use_local_files_only(site: Path) -> None:
 
 
 @pytest.mark.site
+def test_no_dead_links_within_the_site(site: Path) -> None:
+    """Every link of every page leads to a file of the site (and to an anchor that its page has); none leads to
+    the placeholder repository."""
+    problems = check_links(site)
+    assert problems == [], f"{len(problems)} dead links:\n" + "\n".join(problems[:50])
+
+
+@pytest.mark.site
+def test_links_to_other_sites_answer(site: Path) -> None:
+    """The links to other sites, followed: only where AT_CHECK_EXTERNAL_LINKS=1 (the weekly scheduled run), since
+    they fail for reasons of their own and need the network."""
+    if os.environ.get("AT_CHECK_EXTERNAL_LINKS") != "1":
+        pytest.skip("external links are followed only with AT_CHECK_EXTERNAL_LINKS=1 (the scheduled run)")
+    import urllib.error
+    import urllib.request
+
+    urls = sorted({href.split("#")[0] for page in site_pages(site) for href in scan_page(site / page).links
+                   if urlsplit(href).scheme in ("http", "https")})
+    problems = []
+    for url in urls:
+        request = urllib.request.Request(url, headers={"User-Agent": "Mozilla/5.0 (link check)"})
+        try:
+            with urllib.request.urlopen(request, timeout=30):
+                pass
+        except urllib.error.HTTPError as error:
+            if error.code not in (401, 403, 429):  # sites that refuse robots are not dead
+                problems.append(f"{url}: HTTP {error.code}")
+        except (urllib.error.URLError, TimeoutError, OSError) as error:
+            problems.append(f"{url}: {error}")
+    assert problems == [], f"{len(problems)} of {len(urls)} external links fail:\n" + "\n".join(problems)
+
+
+@pytest.mark.site
 @pytest.mark.parametrize("page", PAGES)
 def test_figures_are_on_the_page(page: str, site: Path) -> None:
     """A chapter that draws figures (plt.show()) has images on its page: an exported MPLBACKEND such as Agg would
@@ -501,13 +577,15 @@ def expected_buttons(page: str) -> dict[str, str]:
     launch = config["launch_buttons"]
     chapter = Path(page).with_suffix("").as_posix()           # book/attention
     up = "../" * (len(Path(page).parts) - 1)
+    downloads = {".ipynb": f"{up}_sources/{chapter}.ipynb", ".md": f"{up}_sources/{chapter}.md"}
+    if repo is None:  # no repository named: no launch buttons (button_problems checks that there are none)
+        return downloads
     return {
         "Binder": f"{launch['binderhub_url']}/v2/gh/{repo['owner']}/{repo['name']}/{repo['branch']}"
                             f"?urlpath=lab/tree/{chapter}.ipynb",
         "Colab": f"{launch['colab_url']}/github/{repo['owner']}/{repo['name']}/blob/{repo['branch']}/"
                            f"{chapter}.ipynb",
-        ".ipynb": f"{up}_sources/{chapter}.ipynb",
-        ".md": f"{up}_sources/{chapter}.md",
+        **downloads,
     }
 
 
@@ -516,8 +594,10 @@ def button_problems(page: str, result: dict) -> list[str]:
     if "error" in result:
         return [f"{page}: {result['error']}"]
     found = {button["text"]: button for button in result["buttons"]}
-    problems = []
-    for text, href in expected_buttons(page).items():
+    expected = expected_buttons(page)
+    problems = [f"{page}: a {text!r} button, although _config.yml names no repository"
+                for text in ("Binder", "Colab") if text in found and text not in expected]
+    for text, href in expected.items():
         button = found.get(text)
         if button is None:
             problems.append(f"{page}: no {text!r} button")
@@ -543,23 +623,26 @@ def test_launch_and_download_buttons(page: str, site: Path, browser_results: dic
 @pytest.mark.site
 @pytest.mark.parametrize("page", PAGES)
 def test_notebooks_start_with_the_install_cell(page: str, site: Path) -> None:
-    """The notebook Colab opens and the downloadable one: the chapter's cells, after one install cell, with Markdown
+    """The notebook Colab opens and the downloadable one: the chapter's cells, after one install cell where a
+    repository is named (none without), with Markdown
     that Jupyter renders (no MyST left) and the glued numbers of the executed chapter in it (no pointers)."""
     if not is_notebook(page):
         pytest.skip(f"{page} is not a notebook")
     import jupytext
     import nbformat
 
-    from scripts.notebooks import INSTALL_TAG, myst_leftovers
+    from scripts.notebooks import INSTALL_TAG, myst_leftovers, repository
 
     chapter = ROOT / Path(page).with_suffix(".md")
     code = [cell.source for cell in jupytext.read(chapter).cells if cell.cell_type == "code"]
+    install = repository(ROOT) is not None  # without a repository there is nothing to clone
     for path in (chapter.with_suffix(".ipynb"), site / "_sources" / Path(page).with_suffix(".ipynb")):
         if not path.is_file():
             pytest.fail(f"{path.relative_to(ROOT)} is missing (make html writes it)", pytrace=False)
         cells = [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
-        assert INSTALL_TAG in cells[0].metadata.get("tags", []), f"{path}: the first cell is not the install cell"
-        assert [cell.source for cell in cells[1:]] == code, f"{path}: its cells are not the chapter's"
+        tagged = [cell for cell in cells if INSTALL_TAG in cell.metadata.get("tags", [])]
+        assert tagged == cells[:install], f"{path}: the install cell is not (only) the first cell"
+        assert [cell.source for cell in cells[install:]] == code, f"{path}: its cells are not the chapter's"
         markdown = "\n\n".join(cell.source for cell in nbformat.read(path, as_version=4).cells
                                 if cell.cell_type == "markdown")
         assert myst_leftovers(markdown) == [], f"{path}: MyST that Jupyter shows raw"
@@ -675,6 +758,23 @@ def test_static_check_catches_missing_images_and_cdn_mathjax(synthetic_site: Pat
     assert static_problems(synthetic_site, "book/corrupt_image.html") == []  # only the browser sees this one
     [problem] = static_problems(synthetic_site, "book/cdn_mathjax.html")
     assert "MathJax comes from https://cdn.jsdelivr.net/" in problem
+
+
+def test_link_check_catches_dead_and_placeholder_links(tmp_path: Path) -> None:
+    """The link check on a two-page site: a good link, a link to a missing page, to an anchor its page lacks, and
+    to the placeholder repository; links to other sites are not followed here."""
+    (tmp_path / "book").mkdir()
+    (tmp_path / "index.html").write_text('<p id="top">home</p>', encoding="utf-8")
+    (tmp_path / "book" / "a.html").write_text(
+        '<h1 id="title">A</h1><a href="../index.html#top">good</a> <a href="#title">good</a> '
+        '<a href="../">good</a> <a href="b.html">missing page</a> <a href="../index.html#nowhere">missing anchor</a> '
+        '<a href="https://github.com/OWNER/annotated-transformer-book">placeholder</a> '
+        '<a href="https://example.org/x">elsewhere</a> <a href="mailto:a@b.c">mail</a>', encoding="utf-8")
+    assert check_links(tmp_path) == [
+        "book/a.html: a link to b.html, which is not a file of the site",
+        "book/a.html: a link to ../index.html#nowhere, whose page has no anchor 'nowhere'",
+        "book/a.html: a link to the placeholder repository: https://github.com/OWNER/annotated-transformer-book",
+    ]
 
 
 def test_source_math_detection(tmp_path: Path) -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.notebooks import INSTALL_CELL, RepositoryError, repository
+from scripts.notebooks import (INSTALL_CELL, REPOSITORY_SWITCHES, RepositoryError, build_config, repository,
+                               set_repository, with_install_cell, write_build_config)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / ".github" / "workflows"
@@ -35,7 +36,7 @@ def actionlint() -> str:
 
 def test_the_workflows_pass_actionlint():
     files = sorted(WORKFLOWS.glob("*.yml"))
-    assert [path.name for path in files] == ["book.yml", "test.yml"]
+    assert [path.name for path in files] == ["book.yml", "release.yml", "test.yml"]
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     done = subprocess.run([actionlint(), "-verbose", *map(str, files)], cwd=ROOT, capture_output=True, text=True,
                           env=env, timeout=120)
@@ -89,14 +90,25 @@ def test_the_book_workflow_deploys_with_the_pages_actions():
         assert action in uses
 
 
-def test_the_readme_links_the_published_book_from_the_repository_setting():
+def test_the_readme_says_where_the_book_is_published_without_a_dead_address():
+    """With a repository named, the README's first lines link the published book; without one, they link nothing
+    and say how to publish it. Either way no link leads to the placeholder."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert repository(ROOT)["pages"] in readme
+    opening = "\n".join(readme.splitlines()[:6])
+    repo = repository(ROOT)
+    if repo is None:
+        assert "github.io" not in opening.replace("<owner>.github.io/<name>", "")
+        assert "repository.url" in opening and "_config.yml" in opening
+    else:
+        assert repo["pages"] in opening
+    assert not re.search(r"github\.com/OWNER/|owner\.github\.io", readme, re.IGNORECASE)
 
 
 def test_the_repository_address_is_written_once():
     """Only `_config.yml` names the repository; the README quotes the derived addresses."""
     repo = repository(ROOT)
+    if repo is None:
+        pytest.skip("_config.yml names no repository")
     address = f"github.com/{repo['owner']}/{repo['name']}"
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
     if tracked.returncode != 0:
@@ -111,11 +123,37 @@ def test_the_repository_address_is_written_once():
     assert named == [], f"these files write the repository's address instead of reading _config.yml: {named}"
 
 
-@pytest.mark.parametrize("url", ["", "https://gitlab.com/a/b", "http://github.com/a/b", "https://github.com/a"])
+@pytest.mark.parametrize("url", ["https://gitlab.com/a/b", "http://github.com/a/b", "https://github.com/a",
+                                 "https://github.com/OWNER/annotated-transformer-book"])
 def test_a_bad_repository_setting_is_named(tmp_path, url):
     (tmp_path / "_config.yml").write_text(yaml.safe_dump({"repository": {"url": url, "branch": "notebooks"}}))
     with pytest.raises(RepositoryError, match="repository.url"):
         repository(tmp_path)
+
+
+def test_an_empty_repository_setting_leaves_out_what_would_point_at_it(tmp_path, capsys):
+    """No repository named: the build's configuration has no launch, repository or issue buttons, the notebooks
+    no install cell, and the build says once how to turn them on. `set-repository` (the book workflow) names one,
+    and then everything is back."""
+    import nbformat
+
+    shutil.copy(ROOT / "_config.yml", tmp_path / "_config.yml")
+    assert repository(tmp_path) is None
+    config = build_config(tmp_path)
+    assert "launch_buttons" not in config and "repository" not in config
+    assert not any(config["html"][switch] for switch in REPOSITORY_SWITCHES)
+    write_build_config(tmp_path)
+    assert "repository.url" in capsys.readouterr().err
+    assert with_install_cell(nbformat.v4.new_notebook(), tmp_path).cells == []
+    assert set_repository(tmp_path, "https://github.com/someone/the-book")
+    repo = repository(tmp_path)
+    assert repo["pages"] == "https://someone.github.io/the-book/" and repo["branch"] == "notebooks"
+    assert build_config(tmp_path)["launch_buttons"] == yaml.safe_load(
+        (ROOT / "_config.yml").read_text(encoding="utf-8"))["launch_buttons"]
+    [cell] = with_install_cell(nbformat.v4.new_notebook(), tmp_path).cells
+    assert "https://github.com/someone/the-book.git" in cell.source
+    assert not set_repository(tmp_path, "https://github.com/another/one")  # never replaces a named one
+    assert repository(tmp_path)["owner"] == "someone"
 
 
 def test_the_lab_settings_open_markdown_as_notebooks():
