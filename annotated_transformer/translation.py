@@ -549,11 +549,13 @@ def bleu_bootstrap(pairs, translations: dict, baseline, samples: int = 1000) -> 
 @torch.no_grad()
 def attention_maps(model: nn.Module, source: list[int], target: list[int]) -> dict:
     """Attention weights for one pair of ids (``source`` ending in </s>, ``target``
-    without <s>): 'encoder', (N, h, S, S) per encoder layer, and 'cross', (N, h, T, S)
-    per decoder layer, row t predicting ``target[t]``."""
-    modules = [layer.self_attn for layer in model.encoder.layers] + [
-        layer.src_attn for layer in model.decoder.layers
-    ]
+    without <s>), one tensor per kind: 'encoder' (N, h, S, S), 'decoder' (its
+    self-attention, N, h, T, T) and 'cross' (N, h, T, S); row t predicts
+    ``target[t]``."""
+    kinds = {"encoder": [layer.self_attn for layer in model.encoder.layers],
+             "decoder": [layer.self_attn for layer in model.decoder.layers],
+             "cross": [layer.src_attn for layer in model.decoder.layers]}
+    modules = [module for group in kinds.values() for module in group]
     device = next(model.parameters()).device
     src = torch.tensor([source], device=device)
     tgt = torch.tensor([[BOS_ID] + list(target)[:-1]], device=device)
@@ -562,12 +564,11 @@ def attention_maps(model: nn.Module, source: list[int], target: list[int]) -> di
     try:
         with evaluating(model):
             model(src, tgt, padding_mask(src, PAD_ID), target_mask(tgt, PAD_ID))
-        weights = [module.attention_weights[0] for module in modules]
+        return {kind: torch.stack([module.attention_weights[0] for module in group])
+                for kind, group in kinds.items()}
     finally:
         for module in modules:
             module.record_attention, module.attention_weights = False, None
-    n = len(model.encoder.layers)
-    return {"encoder": torch.stack(weights[:n]), "cross": torch.stack(weights[n:])}
 
 
 def cross_attention_example(

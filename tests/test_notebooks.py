@@ -146,7 +146,7 @@ def small_book(tmp_path: Path) -> Path:
     (tmp_path / "_toc.yml").write_text("format: jb-book\nroot: book/one\nchapters:\n  - file: book/two\n")
     (tmp_path / "_config.yml").write_text(yaml.safe_dump({
         "bibtex_bibfiles": ["book/refs.bib"], "execute": {"cache": "_build/.jupyter_cache"},
-        "repository": {"url": "https://github.com/OWNER/NAME", "branch": "notebooks"}}))
+        "repository": {"url": "https://github.com/someone/small-book", "branch": "notebooks"}}))
     return tmp_path
 
 

@@ -213,7 +213,7 @@ HARNESS = """<!doctype html>
 <pre id="progress">running</pre>
 <script>
 const PAGES = __PAGES__;
-const LOAD_MS = 30000, MATHJAX_MS = 30000, IMAGES_MS = 15000;
+const LOAD_MS = 30000, MATHJAX_MS = 30000, IMAGES_MS = 15000, CHART_MS = 15000;
 const sleep = ms => new Promise(resolve => setTimeout(resolve, ms));
 const limit = (promise, ms, what) => Promise.race([
   promise, sleep(ms).then(() => { throw new Error(what + " did not finish within " + ms + " ms"); })]);
@@ -275,6 +275,28 @@ async function inspect(page) {
         }
       }
       result.buttons.push(button);
+    }
+    // Interactive charts (vega-embed, drawn as SVG): the marks they draw, their menus, and whether choosing
+    // another entry of the last menu redraws them.
+    result.charts = [];
+    for (const chart of doc.querySelectorAll(".vega-embed")) {
+      const marks = () => Array.from(chart.querySelectorAll(".mark-rect path"))
+        .map(path => path.getAttribute("fill")).join(",");
+      let start = Date.now();
+      while (!marks() && Date.now() - start < CHART_MS) await sleep(50);
+      const menus = Array.from(chart.querySelectorAll(".vega-bindings select"));
+      const found = {marks: chart.querySelectorAll(".mark-rect path").length, menus: menus.length,
+                     reacts: false};
+      const menu = menus[menus.length - 1], before = marks();
+      if (menu && menu.options.length > 1) {
+        menu.selectedIndex = (menu.selectedIndex + 1) % menu.options.length;
+        menu.dispatchEvent(new Event("change", {bubbles: true}));
+        menu.dispatchEvent(new Event("input", {bubbles: true}));
+        start = Date.now();
+        while (marks() === before && Date.now() - start < CHART_MS) await sleep(50);
+        found.reacts = marks() !== before;
+      }
+      result.charts.push(found);
     }
   } catch (error) {
     result.error = String(error);
@@ -533,6 +555,20 @@ def test_links_to_other_sites_answer(site: Path) -> None:
         except (urllib.error.URLError, TimeoutError, OSError) as error:
             problems.append(f"{url}: {error}")
     assert problems == [], f"{len(problems)} of {len(urls)} external links fail:\n" + "\n".join(problems)
+
+
+@pytest.mark.site
+def test_the_attention_explorer_draws_and_reacts(site: Path, browser_results: dict[str, dict]) -> None:
+    """The translation chapter's attention explorer, offline in Chromium: drawn (with its four menus), and redrawn
+    when another head is chosen."""
+    page = "book/translation.html"
+    result = browser_results.get(page, {})
+    assert "error" not in result, result.get("error")
+    charts = result.get("charts", [])
+    assert len(charts) == 1, f"{page}: {len(charts)} interactive charts, expected the attention explorer"
+    [chart] = charts
+    assert chart["marks"] > 0, f"{page}: the explorer draws nothing (does its JavaScript load offline?)"
+    assert chart["menus"] == 4 and chart["reacts"], f"{page}: the explorer does not react to its menus: {chart}"
 
 
 @pytest.mark.site
