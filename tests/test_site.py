@@ -81,7 +81,7 @@ class _Scanner(HTMLParser):
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attributes = dict(attrs)
-        for key in ("id", "name" if tag == "a" else "id"):
+        for key in ("id", "name") if tag == "a" else ("id",):
             if attributes.get(key):
                 self.scan.ids.add(attributes[key])
         if tag == "a" and attributes.get("href"):
