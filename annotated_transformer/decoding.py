@@ -147,13 +147,15 @@ def compiled_decode_step(device):
     (inductor's ``freezing``), so that it may repack them for its matrix products.
     Compiled code is reused by every later call with the same shapes.
 
-    Each model, and a batch of one beside larger ones, gets graphs of its own; the first
-    call raises dynamo's limit on graphs per function to at least ``MAX_STEP_GRAPHS``.
+    Each model, and a batch of one beside larger ones, gets graphs of its own; every
+    call raises dynamo's limit on graphs per function to at least ``MAX_STEP_GRAPHS``
+    (every call, not the first only: a setting patched around the first call, as a
+    test may do, would otherwise fall back to dynamo's 8 once the patch is undone).
     """
     kind = torch.device(device).type
+    limits = torch._dynamo.config
+    limits.recompile_limit = max(limits.recompile_limit, MAX_STEP_GRAPHS)
     if kind not in COMPILED_STEPS:
-        limits = torch._dynamo.config
-        limits.recompile_limit = max(limits.recompile_limit, MAX_STEP_GRAPHS)
         mode = "reduce-overhead" if kind == "cuda" else None
         compiled = torch.compile(decode_step, mode=mode, fullgraph=True)
 
@@ -188,7 +190,10 @@ def static_step(model, memory, src_mask, cache, compile=False):
                 torch._dynamo.mark_static_address(buffer)
         torch._dynamo.mark_static_address(cache.position)
     # contiguous: a column of a wider tensor has other strides, and a compiled step
-    # would be compiled again for them
+    # would be compiled again for them. A mask made by unsqueeze is a view, and dynamo
+    # guards on the tensor it views (a beam's repeated mask views none): a copy of
+    # its own gives every caller the same kind of mask, and one graph
+    src_mask = src_mask.clone() if compile else src_mask
     return lambda tokens: step(model, memory, src_mask, cache, tokens.contiguous())
 
 

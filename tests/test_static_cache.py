@@ -232,6 +232,38 @@ def test_the_compiled_beam_step_is_one_graph_for_every_step(small_model, counted
     assert len(counted_compile) == 1
 
 
+def test_the_compiled_step_gets_masks_that_view_no_other_tensor(small_model, monkeypatch):
+    """Dynamo guards on the tensor a view views: a greedy mask made by unsqueeze (a view) and a beam's repeated
+    mask (none) gave two graphs of one shape, and a GPU ran out of its 8 graphs (2026-11-26). The step gets a copy."""
+    seen = []
+
+    def recording_step(model, memory, src_mask, cache, tokens):
+        seen.append(src_mask._base is None)
+        return decode_step(model, memory, src_mask, cache, tokens)
+
+    monkeypatch.setitem(decoding.COMPILED_STEPS, "cpu", recording_step)
+    model = small_model()
+    src, mask = padded_batch()
+    assert mask._base is not None                                 # padding_mask gives a view
+    expected = greedy_decode(model, src, mask, 6, START, END)
+    assert torch.equal(greedy_decode(model, src, mask, 6, START, END, static=True, compile=True), expected)
+    beam_search(model, src, mask, 6, START, END, beam_size=2, static=True, compile=True)
+    assert seen and all(seen)
+
+
+def test_every_compiled_step_raises_the_graph_limit_again():
+    """A limit patched around the first call (tests do) falls back to dynamo's default when the patch ends; the
+    next call must raise it again, or the next shapes fail at 8 graphs (seen on a GPU, 2026-11-26)."""
+    limits = torch._dynamo.config
+    with limits.patch(recompile_limit=8):
+        with limits.patch(recompile_limit=8):
+            decoding.compiled_decode_step("cpu")
+            assert limits.recompile_limit >= decoding.MAX_STEP_GRAPHS
+        assert limits.recompile_limit == 8                        # the patch is undone
+        decoding.compiled_decode_step("cpu")
+        assert limits.recompile_limit >= decoding.MAX_STEP_GRAPHS
+
+
 def test_the_compiled_cpu_step_freezes_the_weights_and_compiles_again_when_they_change(small_model):
     """On a CPU the compiled step bakes the weights in (inductor's freezing): after an in-place change of the
     weights, and after load_state_dict, it must decode with the new weights, not the frozen copy."""
