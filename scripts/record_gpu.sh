@@ -6,6 +6,8 @@
 #                                       # options are passed on (`translation --compile` for a compiled run)
 #   scripts/record_gpu.sh checks        # on the GPU machine: CUDA tests, benchmarks, the copy task in mixed precision
 #   scripts/record_gpu.sh chapters [NAME...]  # on the GPU machine: chapters as scripts, full profile
+#   scripts/record_gpu.sh session [SECONDS]   # on the GPU machine: the checks and chapters, then the benchmark
+#                                             # section by section, all within SECONDS (default 540)
 #
 # `prepare` copies the Multi30k files (from ANNOTATED_TRANSFORMER_DATA) and the chapters, written as plain Python
 # scripts, into .gpu/, so that a GPU machine with PyTorch, sentencepiece and sacreBLEU but no network and no
@@ -85,8 +87,63 @@ chapters)
     "$PYTHON" scripts/chapter_scripts.py run .gpu/chapters "$@" --timeout "${CHAPTER_TIMEOUT:-540}" \
         --report "$OUT/chapters-full.json" 2>&1 | tee "$OUT/chapters.log"
     ;;
+session)
+    # One call that fits a short loan of a GPU: first, at the same time, the CUDA tests, every chapter but
+    # translation (which trains the full profile for minutes: the `translation` step does that work) in the full
+    # profile, and the copy task in mixed precision; then the benchmark alone on the GPU, one section at a time,
+    # each within its share of the time left. Everything goes to $OUT, in at most 8 files; the benchmark's records
+    # (bench_<sections>.json) belong in a folder of the session's own, book/results/gpu-<GPU>-<date>/.
+    enter_step
+    budget=${1:-540} started=$SECONDS
+    left() { echo $((budget - (SECONDS - started))); }
+    note() { echo "[$((SECONDS - started)) s] $*" | tee -a "$OUT/environment.txt"; }
+    folder=${CHAPTER_DIR:-.gpu/chapters}  # written by `prepare`
+    # shellcheck disable=SC2012  # chapter files have plain names
+    chapters=${CHAPTERS:-$(ls "$folder" | sed -E 's/^[0-9]+_//; s/\.py$//' | grep -vx translation)}
+    first=$(($(left) * 2 / 5))
+    note "checks and chapters, within $first s"
+    # each part notes its exit status (124: stopped at its time limit), and a failure stops nothing else
+    (
+        rc=0
+        # shellcheck disable=SC2086  # TESTS may name several paths
+        OMP_NUM_THREADS=1 timeout "$first" "$PYTHON" -m pytest ${TESTS:-tests} -m cuda -q -rs \
+            -p no:cacheprovider -p no:nbval -n 3 >"$OUT/cuda-tests.log" 2>&1 || rc=$?
+        note "CUDA tests: exit $rc"
+    ) &
+    (
+        rc=0
+        # shellcheck disable=SC2086  # one chapter name per word
+        OMP_NUM_THREADS=2 timeout "$first" "$PYTHON" scripts/chapter_scripts.py run "$folder" $chapters \
+            --jobs 5 --timeout "$first" --report "$OUT/chapters-full.json" >"$OUT/chapters.log" 2>&1 || rc=$?
+        note "chapters: exit $rc"
+    ) &
+    (
+        rc=0
+        timeout "$first" "$PYTHON" -m annotated_transformer train --task copy "${COPY[@]}" \
+            --device "$AT_DEVICE" --no-progress >"$OUT/copy.log" 2>&1 || rc=$?
+        note "copy task: exit $rc, $(tail -n 1 "$OUT/copy.log")"
+        rm -f "$OUT/copy.log"
+    ) &
+    wait
+    # the share of the time left for each section (BENCH_PARTS, "SECTIONS:PERCENT,..."): decoding compiles a step
+    # for each batch and length
+    IFS=, read -r -a parts <<<"${BENCH_PARTS:-decoding:55,training:80,attention layers:100}"
+    for part in "${parts[@]}"; do
+        sections=${part%:*} limit=$(($(left) * ${part##*:} / 100))
+        if [ "$limit" -lt 10 ]; then note "bench $sections: no time left"; continue; fi
+        compile=()
+        if [ "$sections" = training ]; then compile=(--compile); fi
+        rc=0
+        # shellcheck disable=SC2086  # one section name per word
+        timeout "$limit" "$PYTHON" -m annotated_transformer bench "${TINY[@]}" --device "$AT_DEVICE" \
+            --only $sections "${compile[@]}" --json "$OUT/bench_${sections// /_}.json" \
+            >>"$OUT/bench.log" 2>&1 || rc=$?
+        note "bench $sections: exit $rc (limit $limit s)"
+    done
+    rmdir "$OUT/results" 2>/dev/null || true  # a dry run's results folder, empty here
+    ;;
 *)
-    sed -n '2,15p' "$0"
+    sed -n '2,17p' "$0"
     exit 2
     ;;
 esac

@@ -73,3 +73,54 @@ def test_record_gpu_script_refuses_to_record_without_a_gpu(tmp_path):
     assert done.returncode != 0
     assert "no CUDA device" in done.stdout + done.stderr
     assert not (tmp_path / "bench_gpu.json").exists()
+
+
+STAND_IN = """#!{python}
+# the interpreter for a dry run of `record_gpu.sh session`: the package's commands and pytest are stood in for
+# (a benchmark writes its sections, the training section hangs), anything else runs in the real interpreter
+import json, os, sys, time
+args = sys.argv[1:]
+if args[:2] == ["-m", "pytest"]:
+    print("52 passed")
+elif args[:3] == ["-m", "annotated_transformer", "train"]:
+    print("copy exact-match (greedy, 1000 held-out sequences): 99.8%")
+elif args[:3] == ["-m", "annotated_transformer", "bench"]:
+    sections = args[args.index("--only") + 1:args.index("--json")]
+    if "training" in sections:
+        time.sleep(600)
+    with open(args[args.index("--json") + 1], "w") as out:
+        json.dump(dict(meta={{"command": " ".join(args)}}, **{{name: [] for name in sections}}), out)
+else:
+    os.execv({python!r}, [{python!r}, *args])
+"""
+
+
+def test_record_gpu_session_runs_every_part_within_its_time(tmp_path):
+    """The one-call session's own logic, in a few seconds: the package's commands are stood in for, the chapters
+    are two stand-ins run by the real runner. Every part notes its exit status, translation is left out, each
+    benchmark section lands in a file of its own under $OUT and nothing in book/results/, a section that hangs is
+    stopped at its share of the time and stops nothing else, and at most 8 files come back."""
+    python = tmp_path / "python"
+    python.write_text(STAND_IN.format(python=sys.executable))
+    python.chmod(0o755)
+    chapters = tmp_path / "chapters"
+    chapters.mkdir()
+    (chapters / "01_good.py").write_text("print('a chapter')\n")
+    (chapters / "16_translation.py").write_text("raise SystemExit('the session leaves translation out')\n")
+    out = tmp_path / "out"
+    before = sorted((ROOT / "book" / "results").rglob("*"))
+    done = run_script("bash", str(SCRIPTS / "record_gpu.sh"), "session", "30", timeout=120, env={
+        "PYTHON": str(python), "OUT": str(out), "AT_DEVICE": "cpu", "CHAPTER_DIR": str(chapters),
+        "ANNOTATED_TRANSFORMER_DATA": str(tmp_path), "BENCH_PARTS": "decoding:55,training:40,attention layers:100"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (out / "environment.txt").read_text()
+    for part in ("CUDA tests: exit 0", "chapters: exit 0", "copy task: exit 0, copy exact-match",
+                 "bench decoding: exit 0", "bench training: exit 124", "bench attention layers: exit 0"):
+        assert part in log, log
+    rows = json.loads((out / "chapters-full.json").read_text())["chapters"]
+    assert [row["chapter"] for row in rows] == ["good"]
+    for name, sections in (("decoding", {"decoding"}), ("attention_layers", {"attention", "layers"})):
+        assert set(json.loads((out / f"bench_{name}.json").read_text())) == {"meta", *sections}
+    assert not (out / "bench_training.json").exists()
+    assert sorted((ROOT / "book" / "results").rglob("*")) == before
+    assert len(list(out.iterdir())) <= 8, sorted(out.iterdir())  # what a short GPU loan brings back
