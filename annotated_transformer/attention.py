@@ -15,7 +15,13 @@ from torch import nn
 from annotated_transformer.runtime import as_int
 
 
-def attention(query, key, value, mask=None, dropout=None):
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    dropout: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, equation 1 of the paper: softmax(Q Kᵀ / √d_k) V.
 
     query (..., T, d_k), key (..., S, d_k), value (..., S, d_v). ``mask`` is a bool
@@ -95,7 +101,7 @@ class MultiHeadedAttention(nn.Module):
     ``attention_weights``.
     """
 
-    def __init__(self, h, d_model, dropout=0.1):
+    def __init__(self, h: int, d_model: int, dropout: float = 0.1):
         super().__init__()
         # 2.0 or True is a TypeError
         h, d_model = as_int(h, "h"), as_int(d_model, "d_model")
@@ -112,13 +118,20 @@ class MultiHeadedAttention(nn.Module):
         self.record_attention = False
         self.attention_weights = None
 
-    def split_heads(self, x):
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d_model) -> (B, h, T, d_k) (keys and values: S for T): view the last
         axis as h heads, then move the heads forward."""
         batch, length, _ = x.shape
         return x.view(batch, length, self.h, self.d_k).transpose(1, 2)
 
-    def forward(self, query, key, value, mask=None, cache=None):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | StaticKVCache | None = None,
+    ) -> torch.Tensor:
         for name, x in (("query", query), ("key", key), ("value", value)):
             if x.dim() != 3 or x.size(-1) != self.d_model:
                 raise ValueError(

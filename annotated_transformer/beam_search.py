@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
+from torch import nn
 
 from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
 from annotated_transformer.decoding import check_cache_flags, greedy_decode, static_step
@@ -21,7 +22,7 @@ LENGTH_PENALTIES = ("gnmt", "simple", "none")
 MAX_ALPHA = 10.0  # the largest alpha: far beyond any tuned one, and lp stays finite
 
 
-def length_penalty_factor(length, alpha=0.6, kind="gnmt"):
+def length_penalty_factor(length: int, alpha: float = 0.6, kind: str = "gnmt") -> float:
     """The divisor of a hypothesis' log-probability: GNMT's ((5 + |Y|) / 6)^alpha,
     |Y|^alpha, or 1."""
     if kind == "gnmt":
@@ -47,21 +48,21 @@ class Hypothesis:
 
 @torch.no_grad()
 def beam_search(
-    model,
-    src,
-    src_mask,
-    max_len,
-    start_symbol,
-    end_symbol,
-    beam_size=4,
-    length_penalty=0.6,
-    n_best=1,
-    penalty="gnmt",
-    on_step=None,
+    model: nn.Module,
+    src: torch.Tensor,
+    src_mask: torch.Tensor | None,
+    max_len: int,
+    start_symbol: int,
+    end_symbol: int | None,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    n_best: int = 1,
+    penalty: str = "gnmt",
+    on_step: Callable[..., object] | None = None,
     *,
-    static=False,
-    compile=False,
-):
+    static: bool = False,
+    compile: bool = False,
+) -> list[list[Hypothesis]]:
     """Batched beam search. Returns, for each source sentence, its ``n_best``
     hypotheses, best first.
 
@@ -417,7 +418,7 @@ def translate_ids(
 
 
 def translate(
-    model,
+    model: nn.Module,
     tokenizer: Tokenizer,
     sentences: Sequence[str],
     *,

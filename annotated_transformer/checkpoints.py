@@ -54,9 +54,8 @@ def write_atomically(path, write, *, mode: str = "wb") -> Path:
     try:
         # mkstemp makes 0600; give the file the mode that open() would
         os.chmod(temporary, 0o666 & ~umask)
-        with os.fdopen(
-            handle, mode, **({} if "b" in mode else {"encoding": "utf-8"})
-        ) as stream:
+        encoding = None if "b" in mode else "utf-8"
+        with os.fdopen(handle, mode, encoding=encoding) as stream:
             write(stream)
             stream.flush()
             os.fsync(stream.fileno())
@@ -101,7 +100,7 @@ def content_digest(state) -> str:
             kind = next(
                 k for k in (bool, int, float, str, type(None)) if isinstance(value, k)
             ).__name__
-            text = float.hex(value) if kind == "float" else str(value)
+            text = float.hex(value) if isinstance(value, float) else str(value)
             digest.update(f"{kind} {len(text)}:{text}".encode())
         else:
             raise TypeError(
@@ -114,11 +113,11 @@ def content_digest(state) -> str:
 
 
 def save_checkpoint(
-    path,
+    path: str | os.PathLike,
     *,
     model: nn.Module,
-    optimizer=None,
-    scheduler=None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     step: int = 0,
     config: dict | None = None,
     extra: dict | None = None,
@@ -187,7 +186,9 @@ def file_stamp(path: Path) -> tuple:
     return info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
 
-def load_checkpoint(path, map_location="cpu") -> dict:
+def load_checkpoint(
+    path: str | os.PathLike, map_location: torch.device | str | None = "cpu"
+) -> dict:
     """Read (``weights_only``) and verify a checkpoint; a fault: one CheckpointError."""
     path = Path(path)
     if not path.is_file():
@@ -234,8 +235,9 @@ def load_checkpoint(path, map_location="cpu") -> dict:
 
 def structure_problem(checkpoint: dict) -> str | None:
     """What in a checkpoint differs from what save_checkpoint writes; or None."""
-    parts = dict(step=int, config=dict, model=dict, optimizer=(dict, type(None)),
-                 scheduler=(dict, type(None)), rng=list, extra=dict)
+    parts: dict[str, type | tuple[type, ...]] = dict(
+        step=int, config=dict, model=dict, optimizer=(dict, type(None)),
+        scheduler=(dict, type(None)), rng=list, extra=dict)
     for key, kind in parts.items():
         if not isinstance(checkpoint.get(key), kind):
             return f"its part {key!r} is a {type(checkpoint.get(key)).__name__}"
@@ -276,7 +278,9 @@ def load_model_state(model: nn.Module, checkpoint: dict) -> None:
         ) from None
 
 
-def model_from_checkpoint(path, device=None) -> tuple[nn.Module, dict]:
+def model_from_checkpoint(
+    path: str | os.PathLike, device: torch.device | str | None = None
+) -> tuple[nn.Module, dict]:
     """Rebuild the model a checkpoint was written from, load its weights; return (model
     in eval mode, checkpoint)."""
     checkpoint = load_checkpoint(path)
@@ -396,7 +400,12 @@ def rotate_checkpoints(directory, keep_last: int) -> list[Path]:
     return old[::-1]
 
 
-def check_run_folder(directory, config: dict | None, *, resume=False) -> Path:
+def check_run_folder(
+    directory: str | os.PathLike,
+    config: dict | None,
+    *,
+    resume: bool | str | os.PathLike = False,
+) -> Path:
     """Check that ``directory`` is a writable folder (``config`` None: only that),
     without a run's files for a new run, or agreeing with ``config`` when resumed."""
     folder = Path(directory)
@@ -433,6 +442,9 @@ def check_run_folder(directory, config: dict | None, *, resume=False) -> Path:
                           "the run stopped before its first one, and starts again")
         return folder
     path, checkpoint = load_latest_checkpoint(folder, warn=False)
+    if path is None or checkpoint is None:  # another process removed them meanwhile
+        raise FileNotFoundError(f"the checkpoints of {folder} were removed while it "
+                                "was being checked")
     stored = {**checkpoint["config"], **(checkpoint["extra"] or {}).get("settings", {})}
     keys = [
         key
@@ -457,6 +469,7 @@ LOCK_FILE = ".run.lock"  # locked by the run that holds the folder; names its pr
 
 def take_lock(path: Path) -> int:
     """``path``, opened and locked; ValueError: a live holder; warning: a dead one."""
+    assert fcntl is not None  # run_folder takes a lock only where there is flock
     while True:
         handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -488,7 +501,7 @@ def run_folder(directory, config: dict, *, resume=False, hold: bool = True):
             clean_leftovers(folder)  # only now: a refused run changes nothing
         yield folder
     finally:
-        if handle is not None:
+        if folder is not None and handle is not None:  # a lock implies a folder
             (folder / LOCK_FILE).unlink(missing_ok=True)
             os.close(handle)
 

@@ -65,7 +65,9 @@ def read_lines(path) -> list[str]:
     return lines
 
 
-def load_split(split: str, directory=None) -> list[tuple[str, str]]:
+def load_split(
+    split: str, directory: str | os.PathLike | None = None
+) -> list[tuple[str, str]]:
     """The (German, English) sentence pairs of a split: 'train' (29,000), 'valid'
     (1,014) or 'test' (1,000).
 
@@ -89,7 +91,10 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
 def train_tokenizer(
-    pairs, vocab_size: int = 8000, model_type: str = "bpe", directory=None
+    pairs: Sequence[tuple[str, str]],
+    vocab_size: int = 8000,
+    model_type: str = "bpe",
+    directory: str | os.PathLike | None = None,
 ) -> Path:
     """Train (or reuse) one joint SentencePiece model on both sides of ``pairs``; return
     its ``.model`` path.
@@ -285,7 +290,8 @@ class EpochBatches:
         )
         self.multiple = multiple
         self.lengths = [padded_lengths(len(s), len(t), multiple) for s, t in examples]
-        self._epoch, self._batches = None, None
+        self._epoch: int | None = None  # the epoch whose batches _batches holds
+        self._batches: list[list[int]] = []
         self.batches_per_epoch = len(self.epoch(0))
 
     def epoch(self, epoch: int) -> list[list[int]]:
@@ -355,6 +361,9 @@ def checkpoint_tokenizer(checkpoint: dict, path=None):
     found = beside is not None and beside.exists()
     task = extra.get("task") or (TASK if found else "copy")  # no task: an older file
     if task == "copy":
+        if vocab is None:
+            raise ValueError("the checkpoint's configuration has no tgt_vocab, the "
+                             "vocabulary of its copy task")
         return TokenIds(vocab)
     if task != TASK:
         raise ValueError(f"no tokenizer is known for the checkpoint's task {task!r} "

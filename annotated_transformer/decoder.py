@@ -78,7 +78,14 @@ class DecoderLayer(nn.Module):
         self.feed_forward = feed_forward
         self.sublayer = clones(SublayerConnection(size, dropout, norm_first), 3)
 
-    def forward(self, x, memory, src_mask, tgt_mask, cache=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor | None,
+        tgt_mask: torch.Tensor | None,
+        cache: tuple[KVCache | StaticKVCache, KVCache] | None = None,
+    ) -> torch.Tensor:
         """x: (B, T, d_model) target states; memory: (B, S, d_model); src_mask: (B, 1,
         S); tgt_mask: (B, T, T) or, with a cache, (B, T, len(cache) + T). True = may
         attend. ``cache`` is this layer's ``(self_cache, cross_cache)`` pair or None.
@@ -109,7 +116,14 @@ class Decoder(nn.Module):
         self.size = layer.size
         self.layers, self.norm = stack(layer, N, norm_first)
 
-    def forward(self, x, memory, src_mask, tgt_mask, cache: DecoderCache | None = None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor | None,
+        tgt_mask: torch.Tensor | None,
+        cache: DecoderCache | StaticDecoderCache | None = None,
+    ) -> torch.Tensor:
         """x: embedded target (B, T, d_model); memory: encoder output (B, S, d_model);
         masks as in ``DecoderLayer``. With a ``DecoderCache``, ``x`` holds only the new
         positions. Returns (B, T, d_model)."""

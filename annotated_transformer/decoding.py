@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
+from torch import nn
 
 from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
 from annotated_transformer.masks import padding_mask, subsequent_mask
@@ -16,18 +18,18 @@ from annotated_transformer.trainer import copy_batches
 
 @torch.no_grad()
 def greedy_decode(
-    model,
-    src,
-    src_mask,
-    max_len,
-    start_symbol,
-    end_symbol=None,
-    use_cache=True,
-    return_log_probs=False,
+    model: nn.Module,
+    src: torch.Tensor,
+    src_mask: torch.Tensor | None,
+    max_len: int,
+    start_symbol: int,
+    end_symbol: int | None = None,
+    use_cache: bool = True,
+    return_log_probs: bool = False,
     *,
-    static=False,
-    compile=False,
-):
+    static: bool = False,
+    compile: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Greedy decoding of a batch: the most probable token at every step.
 
     Returns the tokens, shape (B, T) with T <= max_len, starting with ``start_symbol``.
@@ -136,9 +138,13 @@ def decode_step(model, memory, src_mask, cache, tokens):
     return model.generator(out[:, -1])
 
 
-COMPILED_STEPS = {}  # one compiled decode_step per kind of device, made on first use
+# one compiled decode_step per kind of device, made on first use
+COMPILED_STEPS: dict[str, Callable[..., torch.Tensor]] = {}
 MAX_STEP_GRAPHS = 64  # graphs of the compiled step (models, shapes) dynamo may keep
-FROZEN = weakref.WeakKeyDictionary()  # model -> its weights' versions when frozen in
+# model -> its weights' versions when frozen in
+FROZEN: weakref.WeakKeyDictionary[nn.Module, tuple[int, ...]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def compiled_decode_step(device):

@@ -12,10 +12,12 @@ import os
 import re
 import tempfile
 import time
+import types
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+fcntl: types.ModuleType | None  # None where there is none (Windows)
 try:
     import fcntl                # POSIX: a live download holds a lock on its .part file
 # Windows has no fcntl; there, only the age of a .part file tells

@@ -67,7 +67,12 @@ class EncoderDecoder(nn.Module):
         return self.encoder(self.src_embed(src), src_mask)
 
     def decode(
-        self, memory, src_mask, tgt, tgt_mask, cache: DecoderCache | None = None
+        self,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor | None,
+        tgt: torch.Tensor,
+        tgt_mask: torch.Tensor | None,
+        cache: DecoderCache | None = None,
     ) -> torch.Tensor:
         """tgt: (B, T) token ids; tgt_mask: (B, T, T), True = may attend. With a cache,
         tgt holds only the new tokens, at positions len(cache) onwards, and tgt_mask may
@@ -78,7 +83,13 @@ class EncoderDecoder(nn.Module):
             self.tgt_embed(tgt, offset), memory, src_mask, tgt_mask, cache
         )
 
-    def forward(self, src, tgt, src_mask, tgt_mask) -> torch.Tensor:
+    def forward(
+        self,
+        src: torch.Tensor,
+        tgt: torch.Tensor,
+        src_mask: torch.Tensor | None,
+        tgt_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Encode ``src`` and decode ``tgt`` (teacher forcing). Returns decoder states
         (B, T, d_model)."""
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)

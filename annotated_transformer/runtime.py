@@ -317,7 +317,8 @@ def glue(name: str, value, display: bool = False) -> None:
     """
     try:
         from IPython import get_ipython
-        from myst_nb import glue as glue_in_page
+        # myst-nb ships no type hints (no py.typed), which mypy reports at the import
+        from myst_nb import glue as glue_in_page  # type: ignore[import-untyped]
     except ImportError:  # not a build: myst-nb (or IPython) is not installed
         glue_in_page = get_ipython = None
     if glue_in_page is not None and hasattr(get_ipython(), "kernel"):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,9 @@ class SublayerConnection(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
-    def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         if self.norm_first:
             return x + self.dropout(sublayer(self.norm(x)))
         return self.norm(x + self.dropout(sublayer(x)))

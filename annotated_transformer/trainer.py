@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 from annotated_transformer.checkpoints import (
     CheckpointError, checkpoint_path, checkpoint_problem, latest_checkpoint,
@@ -69,11 +70,13 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
     total_tokens = sum(batch.ntokens for batch in group)
     if total_tokens == 0:
         raise ValueError("the micro-batches of a step hold no target tokens")
-    sums = None
+    sums: torch.Tensor | None = None
     for j, batch in enumerate(group):
         if world > 1:
             batch = batch.select(shard_rows(len(batch), rank, world))
         batch = batch.to(device)
+        if batch.tgt_y is None:
+            raise ValueError("a batch to train on needs a target: Batch(src, tgt)")
         last = j == len(group) - 1
         with net.no_sync() if world > 1 and not last else contextlib.nullcontext():
             with precision.autocast():
@@ -93,6 +96,7 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
         # in the loss's precision (float64 in the tests)
         pair = torch.stack([loss.detach(), nll])
         sums = pair if sums is None else sums + pair
+    assert sums is not None  # the group holds a batch: it has target tokens
     if world > 1:
         dist.all_reduce(sums)
     loss_per_token, nll_per_token = (sums / total_tokens).tolist()
@@ -113,11 +117,12 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
     if isinstance(resume, (str, os.PathLike)):
         checkpoint = load_checkpoint(resume)
     else:
-        path, checkpoint = load_latest_checkpoint(checkpoint_dir)
-        if path is None:
+        _, latest = load_latest_checkpoint(checkpoint_dir)
+        if latest is None:
             raise FileNotFoundError(
                 f"resume was asked for, but {checkpoint_dir} holds no checkpoint"
             )
+        checkpoint = latest
     if steps is not None and checkpoint["step"] > steps:  # nothing to train: refused
         raise ValueError(f"steps ({steps}) is below the step that the checkpoint "
                          f"reached ({checkpoint['step']}): resume with steps >= it")
@@ -160,7 +165,7 @@ def write_checkpoint(
     """Write ``step_XXXXXXXX.pt`` (from the first process) with every process's
     generator state; verify; rotate."""
     rank, world = distributed_context()
-    states = [None] * world
+    states: list[dict | None] = [None] * world  # all_gather_object fills it
     if world > 1:
         dist.all_gather_object(states, rng_state())
     else:
@@ -223,13 +228,28 @@ def check_finite(
     )
 
 
-def train(model: nn.Module, batches: Sequence[Batch] | Callable[[int], Batch], *,
-          steps: int, optimizer: torch.optim.Optimizer, scheduler=None,
-          loss_fn: Callable, accumulation_steps: int = 1, clip_norm=None,
-          device=None, amp=None, compile: bool = False, checkpoint_dir=None,
-          checkpoint_every: int = 0, keep_last: int = 5, resume=False, progress=True,
-          extra=None, evaluate: Callable[[int], object] | None = None,
-          eval_every: int = 0) -> dict:
+def train(
+    model: nn.Module,
+    batches: Sequence[Batch] | Callable[[int], Batch],
+    *,
+    steps: int,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    loss_fn: Callable,
+    accumulation_steps: int = 1,
+    clip_norm: float | None = None,
+    device: torch.device | str | None = None,
+    amp: bool | str | torch.dtype | Precision | None = None,
+    compile: bool = False,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int = 0,
+    keep_last: int = 5,
+    resume: bool | str | os.PathLike = False,
+    progress: bool | tqdm = True,
+    extra: dict | None = None,
+    evaluate: Callable[[int], object] | None = None,
+    eval_every: int = 0,
+) -> dict:
     """Train ``model`` for ``steps`` optimiser steps; return the history (per step: loss
     and ``nll`` per token, lr, tokens). Micro-batch ``i`` is ``batches(i)`` (or
     ``batches[i % len(batches)]``). ``evaluate(step)`` runs every ``eval_every`` steps,
@@ -342,8 +362,8 @@ def stopped(signum: int, step: int, checkpoint_dir) -> None:
     raise Interrupted(f"stopped by {name} after step {step}{saved}", signum)
 
 
-def for_training(model: nn.Module, device: torch.device, loss_fn=None, *,
-                 compile: bool = False) -> tuple[nn.Module, Callable | None]:
+def for_training(model: nn.Module, device: torch.device, loss_fn: Callable, *,
+                 compile: bool = False) -> tuple[nn.Module, Callable]:
     """The model on ``device`` in training mode, with its generator (in DDP in a group),
     and ``loss_fn``; both through ``torch.compile`` if ``compile``."""
     model.to(device).train()
@@ -353,7 +373,7 @@ def for_training(model: nn.Module, device: torch.device, loss_fn=None, *,
             net, device_ids=[device.index] if device.type == "cuda" else None
         )
     if compile:
-        net, loss_fn = torch.compile(net), loss_fn and torch.compile(loss_fn)
+        net, loss_fn = torch.compile(net), torch.compile(loss_fn)
     return net, loss_fn
 
 
@@ -470,13 +490,13 @@ def copy_config(profile: str | None = None, **overrides) -> CopyConfig:
 def train_copy_task(
     config: CopyConfig | None = None,
     *,
-    device=None,
-    amp=None,
+    device: torch.device | str | None = None,
+    amp: bool | str | torch.dtype | Precision | None = None,
     compile: bool = False,
-    checkpoint_dir=None,
+    checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int = 0,
     keep_last: int = 5,
-    resume=False,
+    resume: bool | str | os.PathLike = False,
     progress: bool = True,
     profile: str | None = None,
     **overrides,

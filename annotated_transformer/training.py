@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -58,11 +58,11 @@ class Batch:
         new.ntokens = ntokens
         return new
 
-    def to(self, device) -> Batch:
+    def to(self, device: torch.device | str) -> Batch:
         """The same batch on ``device``."""
         return self._apply(lambda t: t.to(device, non_blocking=True), self.ntokens)
 
-    def select(self, rows) -> Batch:
+    def select(self, rows: slice | torch.Tensor) -> Batch:
         """The batch made of some of the rows (a slice or a tensor of indices)."""
         return self._apply(lambda t: t[rows])
 
@@ -170,7 +170,7 @@ class LabelSmoothing(nn.Module):
         self.confidence = 1.0 - self.smoothing
 
     def target_distribution(
-        self, target: torch.Tensor, dtype=torch.float32
+        self, target: torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         """The smoothed distribution, shape (N, size), for targets of shape (N,);
         padding rows are zero."""
@@ -256,7 +256,12 @@ def rate(step: int, model_size: int, factor: float = 1.0, warmup: int = 4000) ->
     return factor * model_size ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 
-def make_optimizer(model, *, betas=(0.9, 0.98), eps: float = 1e-9) -> torch.optim.Adam:
+def make_optimizer(
+    model: nn.Module | Iterable[torch.Tensor],
+    *,
+    betas: tuple[float, float] = (0.9, 0.98),
+    eps: float = 1e-9,
+) -> torch.optim.Adam:
     """Adam with the paper's settings (section 5.3) for a model (or an iterable of
     parameters).
 
@@ -275,8 +280,12 @@ def make_optimizer(model, *, betas=(0.9, 0.98), eps: float = 1e-9) -> torch.opti
 
 
 def make_scheduler(
-    optimizer, model_size: int, *, factor: float = 1.0, warmup: int = 4000
-):
+    optimizer: torch.optim.Optimizer,
+    model_size: int,
+    *,
+    factor: float = 1.0,
+    warmup: int = 4000,
+) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR`` following :func:`rate`. The k-th optimiser step (k = 1, 2, ...) uses
     ``rate(k)``."""
     # validates the arguments now rather than at the first step

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Callable, Sequence
 
 import sacrebleu
 import torch
@@ -30,8 +32,8 @@ from annotated_transformer.data import (
 from annotated_transformer.masks import padding_mask, target_mask
 from annotated_transformer.model import EMBEDDING_INITS, make_model
 from annotated_transformer.runtime import (
-    check_settings as check_shared_settings, check_size, choose_precision, evaluating,
-    get_device, get_profile, seed_everything, warn_long_warmup,
+    Precision, check_settings as check_shared_settings, check_size, choose_precision,
+    evaluating, get_device, get_profile, seed_everything, warn_long_warmup,
 )
 from annotated_transformer.trainer import due, train
 from annotated_transformer.training import (
@@ -238,6 +240,7 @@ def validation_loss(
             lengths, max(max_tokens, max(max(pair) for pair in lengths)), shuffle=False
         ):
             batch = collate(examples, indices).to(device)
+            assert batch.tgt_y is not None  # collate gives every batch its targets
             src, src_mask = batch.src, batch.src_mask
             if shuffle_sources:
                 src, src_mask = src.roll(1, dims=0), src_mask.roll(1, dims=0)
@@ -263,7 +266,9 @@ def save_translator(path, model: nn.Module, tokenizer: SentencePieces, *, step: 
         "tokenizer_sha256": tokenizer_digest(tokenizer.processor), **(extra or {})})
 
 
-def load_translator(path, device=None):
+def load_translator(
+    path: str | os.PathLike, device: torch.device | str | None = None
+) -> tuple[nn.Module, SentencePieces, dict]:
     """(model in eval mode, tokenizer, checkpoint) from a translation checkpoint
     (average.pt or step_*.pt)."""
     model, checkpoint = model_from_checkpoint(path, device)
@@ -276,9 +281,12 @@ def load_translator(path, device=None):
     return model, tokenizer, checkpoint
 
 
-def train_translator(config: TranslationConfig, checkpoint_dir, *, device=None,
-                     amp=None, compile: bool = False, resume: bool = False,
-                     progress: bool = True, log=print) -> dict:
+def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLike, *,
+                     device: torch.device | str | None = None,
+                     amp: bool | str | torch.dtype | Precision | None = None,
+                     compile: bool = False, resume: bool = False,
+                     progress: bool = True,
+                     log: Callable[[str], None] = print) -> dict:
     """Train a Multi30k German-to-English translator as ``config`` says, in
     ``checkpoint_dir``.
 
@@ -405,7 +413,7 @@ def train_with_validation(model: nn.Module, batches, valid_examples,
     if done and due(done, every, steps) and done not in points:  # stopped before it
         points[done] = validation_loss(model, valid_examples)
     kept = sorted(step for step in points if step <= done)  # none beyond it
-    valid = {"step": kept, "loss": [points[step] for step in kept]}
+    valid: dict[str, list] = {"step": kept, "loss": [points[step] for step in kept]}
     bar = tqdm(total=steps, initial=done, desc="train", disable=not progress,
                mininterval=1.0, dynamic_ncols=True)  # the run's; lines go above it:
     say = bar.write if progress and log is print else log
@@ -453,7 +461,7 @@ def average_last_checkpoints(
         path for path in list_checkpoints(folder) if checkpoint_problem(path) is None
     ][-config.average :]
     # validation loss of the mean of the newest k checkpoints
-    averaging = {"checkpoints": [], "loss": []}
+    averaging: dict[str, list] = {"checkpoints": [], "loss": []}
     for k in range(1, len(kept) + 1):
         model.load_state_dict(average_checkpoints(kept[-k:]))
         averaging["checkpoints"].append(k)
@@ -492,7 +500,7 @@ def bleu(hypotheses: list[str], references: list[str], *, lowercase: bool = Fals
 def evaluate_bleu(
     model: nn.Module,
     tokenizer: SentencePieces,
-    pairs,
+    pairs: Sequence[tuple[str, str]],
     *,
     beam_size: int = 1,
     length_penalty: float = 0.6,
