@@ -130,7 +130,7 @@ session)
     IFS=, read -r -a parts <<<"${BENCH_PARTS:-decoding:55,training:80,attention layers:100}"
     for part in "${parts[@]}"; do
         sections=${part%:*} limit=$(($(left) * ${part##*:} / 100))
-        if [ "$limit" -lt 10 ]; then note "bench $sections: no time left"; continue; fi
+        if [ "$limit" -lt 5 ]; then note "bench $sections: no time left"; continue; fi
         compile=()
         if [ "$sections" = training ]; then compile=(--compile); fi
         rc=0

@@ -109,9 +109,9 @@ def test_record_gpu_session_runs_every_part_within_its_time(tmp_path):
     (chapters / "16_translation.py").write_text("raise SystemExit('the session leaves translation out')\n")
     out = tmp_path / "out"
     before = sorted((ROOT / "book" / "results").rglob("*"))
-    done = run_script("bash", str(SCRIPTS / "record_gpu.sh"), "session", "30", timeout=120, env={
+    done = run_script("bash", str(SCRIPTS / "record_gpu.sh"), "session", "16", timeout=120, env={
         "PYTHON": str(python), "OUT": str(out), "AT_DEVICE": "cpu", "CHAPTER_DIR": str(chapters),
-        "ANNOTATED_TRANSFORMER_DATA": str(tmp_path), "BENCH_PARTS": "decoding:55,training:40,attention layers:100"})
+        "ANNOTATED_TRANSFORMER_DATA": str(tmp_path), "BENCH_PARTS": "decoding:50,training:55,attention layers:100"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = (out / "environment.txt").read_text()
     for part in ("CUDA tests: exit 0", "chapters: exit 0", "copy task: exit 0, copy exact-match",
