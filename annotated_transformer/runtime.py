@@ -17,6 +17,7 @@ import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -163,7 +164,12 @@ class Precision:
         return f"{what} on {self.device}" + (f" ({self.reason})" if self.reason else "")
 
 
-def choose_precision(device=None, amp=None) -> Precision:
+# what an ``amp`` argument may be: None (by the hardware), a bool, "bf16", "fp16" or
+# "fp32" (or their dtypes), or a Precision already chosen (see ``read_amp``)
+AmpSetting: TypeAlias = bool | str | torch.dtype | Precision | None
+
+
+def choose_precision(device=None, amp: AmpSetting = None) -> Precision:
     """The precision of training on ``device`` (see ``get_device``): by the hardware,
     or as asked.
 

@@ -28,7 +28,7 @@ from annotated_transformer.checkpoints import (
 )
 from annotated_transformer.model import make_model
 from annotated_transformer.runtime import (
-    Interrupted, Precision, Progress, check_settings, choose_precision,
+    AmpSetting, Interrupted, Precision, Progress, check_settings, choose_precision,
     distributed_context, evaluating, get_device, get_profile, init_distributed,
     seed_everything, shard_rows, stop_requests, warn_long_warmup,
 )
@@ -239,7 +239,7 @@ def train(
     accumulation_steps: int = 1,
     clip_norm: float | None = None,
     device: torch.device | str | None = None,
-    amp: bool | str | torch.dtype | Precision | None = None,
+    amp: AmpSetting = None,
     compile: bool = False,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int = 0,
@@ -491,7 +491,7 @@ def train_copy_task(
     config: CopyConfig | None = None,
     *,
     device: torch.device | str | None = None,
-    amp: bool | str | torch.dtype | Precision | None = None,
+    amp: AmpSetting = None,
     compile: bool = False,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int = 0,

@@ -32,7 +32,7 @@ from annotated_transformer.data import (
 from annotated_transformer.masks import padding_mask, target_mask
 from annotated_transformer.model import EMBEDDING_INITS, make_model
 from annotated_transformer.runtime import (
-    Precision, check_settings as check_shared_settings, check_size, choose_precision,
+    AmpSetting, check_settings as check_shared_settings, check_size, choose_precision,
     evaluating, get_device, get_profile, seed_everything, warn_long_warmup,
 )
 from annotated_transformer.trainer import due, train
@@ -283,7 +283,7 @@ def load_translator(
 
 def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLike, *,
                      device: torch.device | str | None = None,
-                     amp: bool | str | torch.dtype | Precision | None = None,
+                     amp: AmpSetting = None,
                      compile: bool = False, resume: bool = False,
                      progress: bool = True,
                      log: Callable[[str], None] = print) -> dict:
