@@ -168,8 +168,15 @@ def compiled_decode_step(device):
         def step(model, memory, src_mask, cache, tokens):
             if kind == "cuda":  # the next replay may overwrite this one's outputs
                 torch.compiler.cudagraph_mark_step_begin()
-            with torch._inductor.config.patch(freezing=kind != "cuda"):
                 return compiled(model, memory, src_mask, cache, tokens)
+            # freezing is read while compiling, which a call may do; set and restored
+            # by hand, since config.patch would cost a tenth of a step
+            config = torch._inductor.config
+            frozen, config.freezing = config.freezing, True
+            try:
+                return compiled(model, memory, src_mask, cache, tokens)
+            finally:
+                config.freezing = frozen
 
         COMPILED_STEPS[kind] = step
     return COMPILED_STEPS[kind]

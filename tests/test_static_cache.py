@@ -288,6 +288,27 @@ def test_the_compiled_cpu_step_freezes_the_weights_and_compiles_again_when_they_
     torch._dynamo.reset()
 
 
+def test_the_compiled_cpu_step_compiles_with_frozen_weights_and_restores_the_setting(small_model):
+    """Freezing is switched on around each call of the compiled CPU step, by hand (config.patch cost a tenth of a
+    step): the step must run the packed matrix products that freezing makes, and leave the setting as it was, so
+    that no other compiled code of the user's freezes its weights."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("freezing packs weights for oneDNN/MKL only")
+    model = small_model(30, dtype=torch.float32)
+    src, mask = padded_batch()
+    torch._dynamo.reset()
+    config = torch._inductor.config
+    assert config.freezing is False
+    greedy_decode(model, src, mask, 8, START, END, static=True, compile=True)   # compiles
+    assert config.freezing is False
+    with torch.profiler.profile() as profile:
+        greedy_decode(model, src, mask, 8, START, END, static=True, compile=True)
+    names = {event.key for event in profile.key_averages()}
+    assert any("mkl" in name for name in names), sorted(names)           # packed, not addmm
+    assert config.freezing is False
+    torch._dynamo.reset()
+
+
 def test_an_optimiser_step_and_load_state_dict_advance_the_weights_version(small_model):
     from annotated_transformer.decoding import weights_version
 
