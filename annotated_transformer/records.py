@@ -65,21 +65,20 @@ def write_results(path, results: dict) -> Path:
 
 
 def thin(history: dict, points: int = 400) -> dict:
-    """The training history averaged over windows, at most ``points`` points: small
-    enough for a results file."""
+    """The training history over windows, at most ``points`` points: small enough for
+    a results file. Loss and nll are each window's mean; the step and the training
+    seconds (where the history has them), its last."""
     steps = history.get("step", [])
     window = max(1, math.ceil(len(steps) / points))
-    thinned = {
-        "step": [
-            steps[min(i + window, len(steps)) - 1] for i in range(0, len(steps), window)
-        ]
-    }
+    starts = range(0, len(steps), window)
+    ends = [min(i + window, len(steps)) for i in starts]
+    thinned = {"step": [steps[end - 1] for end in ends]}
+    if "seconds" in history:
+        thinned["seconds"] = [history["seconds"][end - 1] for end in ends]
     for key in ("loss", "nll"):
         values = history.get(key, [])
-        thinned[key] = [
-            sum(values[i : i + window]) / len(values[i : i + window])
-            for i in range(0, len(values), window)
-        ]
+        windows = (values[i:end] for i, end in zip(starts, ends))
+        thinned[key] = [sum(part) / len(part) for part in windows if part]
     return thinned
 
 

@@ -251,7 +251,7 @@ def train(
     eval_every: int = 0,
 ) -> dict:
     """Train ``model`` for ``steps`` optimiser steps; return the history (per step: loss
-    and ``nll`` per token, lr, tokens). Micro-batch ``i`` is ``batches(i)`` (or
+    and ``nll`` per token, lr, tokens, training seconds so far). Micro-batch ``i`` is ``batches(i)`` (or
     ``batches[i % len(batches)]``). ``evaluate(step)`` runs every ``eval_every`` steps,
     and a checkpoint is written every ``checkpoint_every`` steps, both also at the end;
     Ctrl-C or SIGTERM ends the step, saves it and raises ``Interrupted``."""
@@ -273,6 +273,8 @@ def train(
             resume, checkpoint_dir, model=model.to(device), optimizer=optimizer,
             scheduler=scheduler, scaler=scaler, precision=precision, steps=steps)
     history = history or {key: [] for key in HISTORY}
+    for key in HISTORY:  # a run saved before the key existed has no values for it
+        history.setdefault(key, [None] * len(history["step"]))
     net, loss_fn = for_training(model, device, loss_fn, compile=compile)
     note = f"precision: {precision}"  # printed above the run's own progress bar
     with stop_requests() as stop, contextlib.closing(
@@ -296,14 +298,15 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
-            for key, value in zip(HISTORY, (step + 1, loss, nll, lr, tokens)):
+            seconds = seconds_before + time.perf_counter() - started
+            values = (step + 1, loss, nll, lr, tokens, seconds)
+            for key, value in zip(HISTORY, values, strict=True):
                 history[key].append(value)
             bar.update(loss, lr, tokens, last=step + 1 == steps)
             if evaluate is not None and due(step + 1, eval_every, steps):
                 started += timed(evaluate, step + 1)  # not training time
             saving = due(step + 1, checkpoint_every, steps) or stop
             if checkpoint_dir is not None and saving:
-                seconds = seconds_before + time.perf_counter() - started
                 write_checkpoint(checkpoint_dir, step + 1, model=model,
                                  optimizer=optimizer, scheduler=scheduler,
                                  history=history, keep_last=keep_last,
@@ -314,7 +317,8 @@ def train(
     return history
 
 
-HISTORY = ("step", "loss", "nll", "lr", "tokens")  # what ``train`` records at each step
+# what ``train`` records at each step; seconds: of training, evaluation left out
+HISTORY = ("step", "loss", "nll", "lr", "tokens", "seconds")
 
 
 def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resume,

@@ -293,6 +293,30 @@ def test_label_smoothing_closed_form_equals_the_matrix_form():
         assert LabelSmoothing(7, 0, eps)(log_probs, torch.tensor([2, 3, 0])).item() == math.inf
 
 
+def test_a_compiled_run_compiles_each_function_twice_whatever_the_number_of_batch_shapes(monkeypatch):
+    """The trainer chapter's claim: the first shape compiles as it is, the second compiles one graph with symbolic
+    sizes that serves every later shape (six shapes here, dozens in a translation run): two graphs for the model,
+    two for the loss. A backend that only counts the graphs stands in for inductor."""
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=backend, **options))
+    torch._dynamo.reset()
+    shapes = [(6, 7), (4, 9), (8, 5), (3, 11), (5, 6), (7, 8)]
+    batches = [padded_batches(1, batch_size=b, length=t, seed=i)[0] for i, (b, t) in enumerate(shapes)]
+    model = tiny_model(seed=6)
+    history = train(model, batches, steps=len(shapes), optimizer=make_optimizer(model),
+                    loss_fn=LabelSmoothing(11, 0, 0.1), compile=True, progress=False)
+    torch._dynamo.reset()
+    assert len({tuple(batch.src.shape) for batch in batches}) == 6
+    assert len(graphs) == 4, [graph.graph for graph in graphs]
+    assert len(history["seconds"]) == 6 and history["seconds"] == sorted(history["seconds"])
+
+
 def test_train_advances_a_callers_progress_bar_and_records_cross_entropy():
     import io
 
@@ -399,9 +423,27 @@ def test_resume_after_a_crash_is_bit_for_bit(tmp_path):
     resumed, resumed_history = run(6, tmp_path, resume=True, seed=7)
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
-    assert resumed_history == reference_history
+    seconds = resumed_history.pop("seconds"), reference_history.pop("seconds")
+    assert resumed_history == reference_history                               # all but the clock
+    assert all(len(s) == 6 and s == sorted(s) for s in seconds) and seconds[0][3] == before
     final = load_checkpoint(latest_checkpoint(tmp_path))
     assert final["step"] == 6 and final["extra"]["train_seconds"] > before  # counted on from the checkpoint
+
+
+def test_resuming_a_history_saved_without_seconds_pads_it(tmp_path, monkeypatch):
+    """A run saved before the history had its seconds resumes, with no value for the steps it had done."""
+    run(4, tmp_path)
+    real = trainer.resume_training
+
+    def resume_without_seconds(*args, **kwargs):
+        start, history, seconds = real(*args, **kwargs)
+        del history["seconds"]
+        return start, history, seconds
+
+    monkeypatch.setattr(trainer, "resume_training", resume_without_seconds)
+    _, history = run(6, tmp_path, resume=True)
+    assert history["step"] == [1, 2, 3, 4, 5, 6] and history["seconds"][:4] == [None] * 4
+    assert history["seconds"][4] < history["seconds"][5]
 
 
 def test_checkpoint_contents_and_weights_only(tmp_path):

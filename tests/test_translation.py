@@ -277,7 +277,9 @@ def test_strip_special_and_thin():
     history = {"step": list(range(1, 1001)), "loss": [float(i) for i in range(1000)]}
     small = thin(history, points=100)
     assert len(small["step"]) == len(small["loss"]) == 100 and small["step"][-1] == 1000
-    assert small["loss"][0] == pytest.approx(4.5)
+    assert small["loss"][0] == pytest.approx(4.5) and small["nll"] == [] and "seconds" not in small
+    timed = thin({**history, "seconds": [0.5 * i for i in range(1, 1001)]}, points=100)
+    assert timed["seconds"][:2] == [5.0, 10.0] and timed["seconds"][-1] == 500.0  # each window's last
 
 
 def test_command_line_train_and_evaluate(environment, tmp_path, capsys):
