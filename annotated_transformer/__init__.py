@@ -15,9 +15,9 @@ Each module comes from one chapter:
 - ``annotated_transformer.encoder``: The encoder (book/encoder.md)
 - ``annotated_transformer.decoder``: The decoder (book/decoder.md)
 - ``annotated_transformer.model``: The full model (book/model.md)
-- ``annotated_transformer.checkpoints``: Checkpoints (book/checkpoints.md)
 - ``annotated_transformer.training``: Training (book/training.md)
 - ``annotated_transformer.trainer``: The training loop (book/trainer.md)
+- ``annotated_transformer.copy_task``: The copy task (book/copy_task.md)
 - ``annotated_transformer.decoding``: Greedy decoding and the key/value cache (book/decoding.md)
 - ``annotated_transformer.beam_search``: Beam search (book/beam_search.md)
 - ``annotated_transformer.data``: The data: Multi30k and a shared SentencePiece vocabulary (book/data.md)
@@ -25,6 +25,7 @@ Each module comes from one chapter:
 - ``annotated_transformer.measure``: Measuring speed and memory (book/measuring.md)
 - ``annotated_transformer.layer_types``: Why self-attention (book/why_attention.md)
 - ``annotated_transformer.performance``: Performance (book/performance.md)
+- ``annotated_transformer.checkpoints``: Appendix: checkpoints (book/checkpoints.md)
 - ``annotated_transformer.download``: Appendix: downloading and verifying the data (book/appendix_data.md)
 - ``annotated_transformer.tangle``: Appendix: how this book builds its package (book/appendix_tangle.md)
 - ``annotated_transformer.records``: Appendix: recorded results (book/appendix_results.md)
@@ -64,21 +65,15 @@ _API = {
     "DecoderLayer": "decoder",
     "EncoderDecoder": "model",
     "make_model": "model",
-    "save_checkpoint": "checkpoints",
-    "load_checkpoint": "checkpoints",
-    "model_from_checkpoint": "checkpoints",
-    "average_checkpoints": "checkpoints",
-    "CheckpointError": "checkpoints",
-    "check_run_folder": "checkpoints",
     "Batch": "training",
     "LabelSmoothing": "training",
     "rate": "training",
     "make_optimizer": "training",
     "make_scheduler": "training",
     "train": "trainer",
-    "CopyConfig": "trainer",
-    "train_copy_task": "trainer",
     "NonFiniteLossError": "trainer",
+    "CopyConfig": "copy_task",
+    "train_copy_task": "copy_task",
     "greedy_decode": "decoding",
     "beam_search": "beam_search",
     "length_penalty_factor": "beam_search",
@@ -89,6 +84,12 @@ _API = {
     "train_translator": "translation",
     "load_translator": "translation",
     "evaluate_bleu": "translation",
+    "save_checkpoint": "checkpoints",
+    "load_checkpoint": "checkpoints",
+    "model_from_checkpoint": "checkpoints",
+    "average_checkpoints": "checkpoints",
+    "CheckpointError": "checkpoints",
+    "check_run_folder": "checkpoints",
 }
 __all__ = list(_API)
 

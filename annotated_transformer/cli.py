@@ -295,14 +295,10 @@ def run_copy_train(args) -> int:
     import torch.distributed as dist
 
     from annotated_transformer.checkpoints import latest_checkpoint
+    from annotated_transformer.copy_task import CopyConfig, copy_config, train_copy_task
     from annotated_transformer.decoding import copy_accuracy
     from annotated_transformer.positional import PositionalEncoding
-    from annotated_transformer.trainer import (
-        CopyConfig,
-        copy_config,
-        distributed_context,
-        train_copy_task,
-    )
+    from annotated_transformer.runtime import distributed_context
 
     saving = {
         k: v

@@ -13,7 +13,7 @@ from torch import nn
 from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
 from annotated_transformer.masks import padding_mask, subsequent_mask
 from annotated_transformer.runtime import evaluating, get_device
-from annotated_transformer.trainer import copy_batches
+from annotated_transformer.copy_task import copy_batches
 
 
 @torch.no_grad()

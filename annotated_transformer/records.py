@@ -46,7 +46,7 @@ def run_experiment(config, checkpoint_dir, *, device=None, amp=None,
 
 def write_json(path, data) -> Path:
     """Write ``data`` as indented UTF-8 JSON, atomically (``write_atomically`` of the
-    checkpoints chapter)."""
+    checkpoints appendix)."""
     text = json.dumps(data, indent=1, ensure_ascii=False) + "\n"
     return write_atomically(path, lambda stream: stream.write(text), mode="w")
 

@@ -10,8 +10,6 @@ import os
 import signal
 import time
 import warnings
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -24,20 +22,13 @@ from tqdm import tqdm
 from annotated_transformer.checkpoints import (
     CheckpointError, checkpoint_path, checkpoint_problem, latest_checkpoint,
     load_checkpoint, load_latest_checkpoint, load_model_state, rng_state,
-    rotate_checkpoints, run_folder, save_checkpoint, set_rng_state,
+    rotate_checkpoints, save_checkpoint, set_rng_state,
 )
-from annotated_transformer.model import make_model
 from annotated_transformer.runtime import (
-    AmpSetting, Interrupted, Precision, Progress, check_settings, choose_precision,
-    distributed_context, evaluating, get_device, get_profile, init_distributed,
-    seed_everything, shard_rows, stop_requests, warn_long_warmup,
+    AmpSetting, Interrupted, Precision, Progress, choose_precision, distributed_context,
+    get_device, shard_rows, stop_requests,
 )
-from annotated_transformer.training import (
-    Batch,
-    LabelSmoothing,
-    make_optimizer,
-    make_scheduler,
-)
+from annotated_transformer.training import Batch
 
 
 class LogProbs(nn.Module):
@@ -251,10 +242,11 @@ def train(
     eval_every: int = 0,
 ) -> dict:
     """Train ``model`` for ``steps`` optimiser steps; return the history (per step: loss
-    and ``nll`` per token, lr, tokens, training seconds so far). Micro-batch ``i`` is ``batches(i)`` (or
-    ``batches[i % len(batches)]``). ``evaluate(step)`` runs every ``eval_every`` steps,
-    and a checkpoint is written every ``checkpoint_every`` steps, both also at the end;
-    Ctrl-C or SIGTERM ends the step, saves it and raises ``Interrupted``."""
+    and ``nll`` per token, lr, tokens, training seconds so far). Micro-batch ``i`` is
+    ``batches(i)`` (or ``batches[i % len(batches)]``). ``evaluate(step)`` runs every
+    ``eval_every`` steps, and a checkpoint is written every ``checkpoint_every`` steps,
+    both also at the end; Ctrl-C or SIGTERM ends the step, saves it and raises
+    ``Interrupted``."""
     get_batch = check_training(
         batches,
         steps=steps,
@@ -379,182 +371,3 @@ def for_training(model: nn.Module, device: torch.device, loss_fn: Callable, *,
     if compile:
         net, loss_fn = torch.compile(net), torch.compile(loss_fn)
     return net, loss_fn
-
-
-def copy_batches(
-    vocab: int,
-    batch_size: int,
-    seq_len: int,
-    n_batches: int,
-    *,
-    pad: int = 0,
-    start: int = 1,
-    generator: torch.Generator | None = None,
-    device=None,
-):
-    """Yield ``n_batches`` random batches of the copy task: the target is the source.
-
-    Each sequence is ``start`` followed by ``seq_len - 1`` tokens drawn uniformly from
-    ``2 .. vocab - 1`` (never the padding or start symbol), so there is no padding.
-    """
-    if sorted((pad, start)) != [0, 1]:
-        raise ValueError(
-            f"the copy task reserves ids 0 and 1 for pad and start, got pad={pad}, "
-            f"start={start}"
-        )
-    if vocab < 3:
-        raise ValueError(
-            f"vocab must be >= 3 (pad, start and at least one symbol), got {vocab}"
-        )
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    for _ in range(n_batches):
-        data = torch.randint(2, vocab, (batch_size, seq_len), generator=generator)
-        data[:, 0] = start
-        data = data.to(device) if device is not None else data
-        yield Batch(data, data.clone(), pad)
-
-
-@torch.no_grad()
-def label_accuracy(model: nn.Module, batch: Batch) -> float:
-    """The fraction of ``batch``'s labels (not padding) that the model, fed the true
-    prefix, ranks first."""
-    device = next(model.parameters()).device
-    batch = batch.to(device)
-    with evaluating(model):
-        log_probs = model.generator(
-            model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
-        )
-    real = batch.tgt_y != batch.pad
-    return (log_probs.argmax(-1) == batch.tgt_y)[real].float().mean().item()
-
-
-@dataclass(frozen=True)
-class CopyConfig:
-    """The copy task: model sizes and training settings, checked when made."""
-
-    vocab: int = 11
-    seq_len: int = 10
-    N: int = 1
-    d_model: int = 32
-    d_ff: int = 64
-    h: int = 4
-    dropout: float = 0.1
-    steps: int = 300
-    batch_size: int = 128
-    accumulation_steps: int = 1
-    smoothing: float = 0.0
-    factor: float = 0.5
-    warmup: int = 100
-    clip_norm: float | None = None
-    seed: int = 0
-
-    def __post_init__(self):
-        check_settings(
-            self,
-            positive=(
-                "vocab",
-                "seq_len",
-                "N",
-                "d_model",
-                "d_ff",
-                "h",
-                "steps",
-                "batch_size",
-                "accumulation_steps",
-                "warmup",
-            ),
-            probabilities=("dropout", "smoothing"),
-        )
-        if self.vocab < 3 or self.seq_len < 2:
-            raise ValueError(
-                f"the copy task needs vocab >= 3 and seq_len >= 2, got {self.vocab}, "
-                f"{self.seq_len}"
-            )
-
-
-COPY_PROFILES = {
-    "quick": CopyConfig(),
-    "full": CopyConfig(N=2, d_model=512, d_ff=2048, h=8, steps=1000, warmup=400),
-}
-
-
-def copy_config(profile: str | None = None, **overrides) -> CopyConfig:
-    """The profile's ``CopyConfig`` (default: ``AT_PROFILE``), with the settings in
-    ``overrides`` that are not None."""
-    unknown = set(overrides) - set(CopyConfig.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"unknown copy task setting(s): {', '.join(sorted(unknown))}")
-    return replace(
-        COPY_PROFILES[get_profile(profile)],
-        **{k: v for k, v in overrides.items() if v is not None},
-    )
-
-
-def train_copy_task(
-    config: CopyConfig | None = None,
-    *,
-    device: torch.device | str | None = None,
-    amp: AmpSetting = None,
-    compile: bool = False,
-    checkpoint_dir: str | os.PathLike | None = None,
-    checkpoint_every: int = 0,
-    keep_last: int = 5,
-    resume: bool | str | os.PathLike = False,
-    progress: bool = True,
-    profile: str | None = None,
-    **overrides,
-) -> tuple[nn.Module, dict]:
-    """Train a small Transformer to copy random sequences; return (model in eval mode,
-    history).
-
-    ``config`` defaults to the profile's (``copy_config(profile, **overrides)``); with a
-    config, ``overrides`` replace some of its settings. The other arguments are those of
-    :func:`train`.
-    """
-    config = copy_config(profile, **overrides) if config is None else replace(
-        config, **{k: v for k, v in overrides.items() if v is not None})
-    device = init_distributed(device)
-    precision = choose_precision(device, amp)  # a refusal comes before any work
-    seed_everything(config.seed)
-    model = make_model(
-        config.vocab,
-        config.vocab,
-        N=config.N,
-        d_model=config.d_model,
-        d_ff=config.d_ff,
-        h=config.h,
-        dropout=config.dropout,
-    ).to(device)
-    settings = {key: value for key, value in asdict(config).items() if key != "steps"}
-    rank, _ = distributed_context()
-    # the same initial weights everywhere, but each process its own dropout masks
-    if rank > 0:
-        seed_everything(config.seed + rank)
-    optimizer = make_optimizer(model)
-    scheduler = make_scheduler(
-        optimizer, config.d_model, factor=config.factor, warmup=config.warmup
-    )
-
-    def batch(index: int) -> Batch:
-        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
-        return next(
-            copy_batches(
-                config.vocab, config.batch_size, config.seq_len, 1, generator=generator
-            )
-        )
-
-    with run_folder(checkpoint_dir, {**model.config, **settings}, resume=resume,
-                    hold=rank == 0):  # checked before any training, held to its end
-        warn_long_warmup(config)
-        if resume is True and latest_checkpoint(checkpoint_dir) is None:
-            resume = False  # it stopped before its first checkpoint: from the start
-        history = train(model, batch, steps=config.steps, optimizer=optimizer,
-                        scheduler=scheduler, amp=precision, device=device,
-                        compile=compile,
-                        loss_fn=LabelSmoothing(config.vocab, 0, config.smoothing),
-                        accumulation_steps=config.accumulation_steps,
-                        clip_norm=config.clip_norm, checkpoint_dir=checkpoint_dir,
-                        checkpoint_every=checkpoint_every, keep_last=keep_last,
-                        resume=resume, progress=progress, extra={"settings": settings})
-    return model.eval(), history

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated_transformer import checkpoints, trainer
+from annotated_transformer import checkpoints, copy_task, trainer
 from annotated_transformer.checkpoints import (
     CheckpointError,
     average_checkpoints,
@@ -35,7 +35,8 @@ from annotated_transformer.checkpoints import (
 )
 from annotated_transformer.cli import main
 from annotated_transformer.model import make_model
-from annotated_transformer.trainer import NonFiniteLossError, copy_batches, train, train_copy_task
+from annotated_transformer.copy_task import copy_batches, train_copy_task
+from annotated_transformer.trainer import NonFiniteLossError, train
 from annotated_transformer.training import LabelSmoothing, make_optimizer, make_scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -411,7 +412,7 @@ def test_the_copy_task_refuses_a_bad_folder_before_any_training(tmp_path, monkey
     def no_training(*args, **kwargs):
         raise AssertionError("trained although the folder should have been refused")
 
-    monkeypatch.setattr(trainer, "train", no_training)
+    monkeypatch.setattr(copy_task, "train", no_training)
     with pytest.raises(ValueError, match="already holds checkpoints"):  # another run in the folder
         train_copy_task(steps=4, checkpoint_dir=tmp_path, **COPY)
     with pytest.raises(ValueError, match=r"batch_size \(checkpoint 8, this run 16\)"):  # resumed with other settings

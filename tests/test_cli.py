@@ -187,7 +187,7 @@ def test_each_task_refuses_the_options_it_would_not_use(capsys) -> None:
         translation_config_from_args(args)
     # every option of train is a setting of one task at least, or one that every task has
     from annotated_transformer.cli import EVERY_TASK, OPTION_OF
-    from annotated_transformer.trainer import CopyConfig
+    from annotated_transformer.copy_task import CopyConfig
     from annotated_transformer.translation import SETTINGS
 
     dests = set(vars(build_parser(only="train").parse_args(["train"])))

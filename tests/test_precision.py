@@ -22,7 +22,8 @@ from annotated_transformer.checkpoints import latest_checkpoint, list_checkpoint
 from annotated_transformer.cli import build_parser, main
 from annotated_transformer.model import make_model
 from annotated_transformer.runtime import AMP_TYPES, Precision, choose_precision
-from annotated_transformer.trainer import copy_batches, train, train_copy_task
+from annotated_transformer.copy_task import copy_batches, train_copy_task
+from annotated_transformer.trainer import train
 from annotated_transformer.training import LabelSmoothing, make_optimizer, make_scheduler
 
 FP16 = Precision("cpu", torch.float16, "made by hand for the test")

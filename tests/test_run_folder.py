@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_checkpoints import flip_bytes
 
-from annotated_transformer import checkpoints, trainer
+from annotated_transformer import checkpoints, copy_task, trainer
 from annotated_transformer.checkpoints import (
     LEFTOVER_NAME,
     RUN_FILES,
@@ -38,7 +38,8 @@ from annotated_transformer.checkpoints import (
 )
 from annotated_transformer.cli import main
 from annotated_transformer.model import make_model
-from annotated_transformer.trainer import NonFiniteLossError, train_copy_task
+from annotated_transformer.copy_task import train_copy_task
+from annotated_transformer.trainer import NonFiniteLossError
 
 ROOT = Path(__file__).resolve().parents[1]
 COPY = dict(profile="quick", d_model=16, N=1, batch_size=8, device="cpu", progress=False)
@@ -251,7 +252,7 @@ def test_the_lock_is_released_on_exceptions_and_refusals(tmp_path, monkeypatch):
         seen.append((tmp_path / "copy" / ".run.lock").read_text())
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer, "train", interrupted)
+    monkeypatch.setattr(copy_task, "train", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train_copy_task(steps=2, checkpoint_dir=tmp_path / "copy", **COPY)
     assert seen == [ME] and not (tmp_path / "copy" / ".run.lock").exists()  # held while training, then let go

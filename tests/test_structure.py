@@ -188,8 +188,9 @@ def report(problems: list[str], what: str) -> str:
 
 
 def test_no_chapter_imports_a_module_of_a_later_chapter():
-    """A reader meets each module before a chapter uses it. The cells tagged `export` are the chapter's module, so
-    they follow the modules' rule below: they may also use plumbing that an appendix (later) tangles."""
+    """A reader meets each module before a chapter uses it, except the plumbing that an appendix tangles (the
+    checkpoint files, the records, the download), which a chapter may use as a tool, linking to the appendix for
+    how it works; the same rule as the modules' below."""
     problems = []
     for index, chapter in enumerate(chapters()):
         if chapter == INTRO:
@@ -202,8 +203,7 @@ def test_no_chapter_imports_a_module_of_a_later_chapter():
                 continue
             for module, line in imported_modules(tree):
                 owner = owners().get(module)
-                exported = EXPORT_TAG in cell.tags
-                if owner is not None and owner.index > index and not (exported and owner.appendix):
+                if owner is not None and owner.index > index and not owner.appendix:
                     problems.append(f"{chapter}:{cell.line + line - 1}: imports {PACKAGE}.{module}, which only "
                                     f"{owner.chapter} (later in _toc.yml) tangles")
     assert not problems, report(problems, "imports of modules that a later chapter tangles")

@@ -25,7 +25,8 @@ from annotated_transformer.cli import main
 from annotated_transformer.decoding import copy_accuracy, greedy_decode
 from annotated_transformer.masks import padding_mask, subsequent_mask
 from annotated_transformer.model import make_model
-from annotated_transformer.trainer import CopyConfig, copy_batches, copy_config, train, train_copy_task
+from annotated_transformer.copy_task import CopyConfig, copy_batches, copy_config, train_copy_task
+from annotated_transformer.trainer import train
 from annotated_transformer.training import (
     Batch,
     LabelSmoothing,
