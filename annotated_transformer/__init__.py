@@ -5,7 +5,6 @@
 
 Each module comes from one chapter:
 
-- ``annotated_transformer.runtime``: The Annotated Transformer (book/intro.md)
 - ``annotated_transformer.attention``: Attention (book/attention.md)
 - ``annotated_transformer.masks``: Masking (book/masking.md)
 - ``annotated_transformer.embeddings``: Embeddings and weight tying (book/embeddings.md)
@@ -25,6 +24,7 @@ Each module comes from one chapter:
 - ``annotated_transformer.measure``: Measuring speed and memory (book/measuring.md)
 - ``annotated_transformer.layer_types``: Why self-attention (book/why_attention.md)
 - ``annotated_transformer.performance``: Performance (book/performance.md)
+- ``annotated_transformer.runtime``: Appendix: the runtime (book/appendix_runtime.md)
 - ``annotated_transformer.checkpoints``: Appendix: checkpoints (book/checkpoints.md)
 - ``annotated_transformer.download``: Appendix: downloading and verifying the data (book/appendix_data.md)
 - ``annotated_transformer.tangle``: Appendix: how this book builds its package (book/appendix_tangle.md)
@@ -45,9 +45,6 @@ __version__ = "0.1.0"
 
 # {public name: its module}; each chapter lists its names in the 'api:' key of its front matter.
 _API = {
-    "get_profile": "runtime",
-    "get_device": "runtime",
-    "seed_everything": "runtime",
     "attention": "attention",
     "MultiHeadedAttention": "attention",
     "subsequent_mask": "masks",
@@ -84,6 +81,9 @@ _API = {
     "train_translator": "translation",
     "load_translator": "translation",
     "evaluate_bleu": "translation",
+    "get_profile": "runtime",
+    "get_device": "runtime",
+    "seed_everything": "runtime",
     "save_checkpoint": "checkpoints",
     "load_checkpoint": "checkpoints",
     "model_from_checkpoint": "checkpoints",
