@@ -26,6 +26,7 @@ from annotated_transformer.measure import (
 )
 from annotated_transformer.model import Embed, make_model
 from annotated_transformer.positional import PositionalEncoding
+from annotated_transformer.runtime import compile_settings
 
 
 class TorchTransformer(nn.Module):
@@ -245,8 +246,9 @@ def training_throughput(config: dict, batch: int, src_len: int, tgt_len: int,
         if compile:  # the same model and batch; its first (untimed) call compiles
             step_fns[f"{name}_compiled"] = make_train_step(
                 model, torch.compile(forward), src, tgt, dtype)
-    times = time_side_by_side(step_fns, device, repeat=steps, warmup=warmup,
-                              clock=clock)
+    with compile_settings(device):  # what train() compiles in; eager steps ignore it
+        times = time_side_by_side(step_fns, device, repeat=steps, warmup=warmup,
+                                  clock=clock)
 
     def ratio(fast, slow):  # the median over rounds of t(slow) / t(fast)
         return statistics.median(b / a for a, b in zip(times[fast], times[slow]))

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
@@ -241,6 +241,18 @@ def describe_device(device) -> str:
         pass
     threads = torch.get_num_threads()
     return f"{device.type} ({name}, {threads} thread{'' if threads == 1 else 's'})"
+
+
+def compile_settings(device) -> AbstractContextManager:
+    """``with compile_settings(device):`` runs (and so compiles) code for ``device``
+    with the compiler settings that pay there: on a CPU, dropout's masks drawn by
+    PyTorch's own kernels (``fallback_random``), faster than inductor's code for them
+    and the masks of an eager step; elsewhere none."""
+    if get_device(device).type != "cpu":
+        return nullcontext()
+    import torch._inductor.config as inductor_config  # imported on first use: large
+
+    return inductor_config.patch(fallback_random=True)
 
 
 @contextmanager

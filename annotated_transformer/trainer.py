@@ -25,8 +25,8 @@ from annotated_transformer.checkpoints import (
     rotate_checkpoints, save_checkpoint, set_rng_state,
 )
 from annotated_transformer.runtime import (
-    AmpSetting, Interrupted, Precision, Progress, choose_precision, distributed_context,
-    get_device, shard_rows, stop_requests,
+    AmpSetting, Interrupted, Precision, Progress, choose_precision, compile_settings,
+    distributed_context, get_device, shard_rows, stop_requests,
 )
 from annotated_transformer.training import Batch
 
@@ -269,7 +269,8 @@ def train(
         history.setdefault(key, [None] * len(history["step"]))
     net, loss_fn = for_training(model, device, loss_fn, compile=compile)
     note = f"precision: {precision}"  # printed above the run's own progress bar
-    with stop_requests() as stop, contextlib.closing(
+    settings = compile_settings(device) if compile else contextlib.nullcontext()
+    with stop_requests() as stop, settings, contextlib.closing(
             Progress(progress, total=steps, initial=start, note=note)) as bar:
         started = time.perf_counter()
         for step in range(start, steps):

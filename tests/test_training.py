@@ -2,6 +2,7 @@
 checkpoints (atomic, exact resume, averaging), the copy task and the `train` command."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
@@ -316,6 +317,26 @@ def test_a_compiled_run_compiles_each_function_twice_whatever_the_number_of_batc
     assert len({tuple(batch.src.shape) for batch in batches}) == 6
     assert len(graphs) == 4, [graph.graph for graph in graphs]
     assert len(history["seconds"]) == 6 and history["seconds"] == sorted(history["seconds"])
+
+
+def test_a_compiled_run_on_a_cpu_draws_the_dropout_masks_of_an_eager_run(monkeypatch):
+    """The trainer chapter's claim: in compile_settings, compiled dropout on a CPU draws its masks with PyTorch's own
+    kernels, so a compiled run with dropout follows the eager run from the same seed; with the compiler's own random
+    numbers (compile_settings replaced by a context that changes nothing) the losses part at the first step."""
+
+    def losses(compile):
+        torch._dynamo.reset()
+        model = tiny_model(seed=7, dropout=0.3)
+        torch.manual_seed(8)
+        history = train(model, padded_batches(3, seed=4), steps=3, optimizer=make_optimizer(model),
+                        loss_fn=LabelSmoothing(11, 0, 0.1), compile=compile, progress=False)
+        torch._dynamo.reset()
+        return torch.tensor(history["loss"])
+
+    eager = losses(False)
+    torch.testing.assert_close(losses(True), eager, rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(trainer, "compile_settings", lambda device: contextlib.nullcontext())
+    assert (losses(True) - eager).abs()[0] > 1e-3
 
 
 def test_train_advances_a_callers_progress_bar_and_records_cross_entropy():
