@@ -282,8 +282,9 @@ def train(
             loss, nll, tokens = accumulate_gradients(net, group, loss_fn, device=device,
                                                      precision=precision, scaler=scaler)
             scaler.unscale_(optimizer)  # true gradients, to clip (a no-op unless fp16)
-            norm = None if clip_norm is None else float(
-                nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
+            limit = math.inf if clip_norm is None else clip_norm  # inf: only measure
+            norm: float | None = float(
+                nn.utils.clip_grad_norm_(model.parameters(), limit))
             norm = None if precision.scaled else norm  # fp16: an overflow skips
             check_finite(step + 1, loss, norm, checkpoint_dir)
             scaler.step(optimizer)  # skipped if an fp16 gradient overflowed
@@ -310,7 +311,8 @@ def train(
     return history
 
 
-# what ``train`` records at each step; seconds: of training, evaluation left out
+# what ``train`` records at each step; seconds: since the run began, evaluation left out
+# (compiling and checkpoint writes included)
 HISTORY = ("step", "loss", "nll", "lr", "tokens", "seconds")
 
 

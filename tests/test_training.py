@@ -339,6 +339,34 @@ def test_a_compiled_run_on_a_cpu_draws_the_dropout_masks_of_an_eager_run(monkeyp
     assert (losses(True) - eager).abs()[0] > 1e-3
 
 
+def test_a_nan_gradient_behind_a_finite_loss_stops_the_run_without_clipping(tmp_path):
+    """The trainer chapter's claim: the gradient norm is checked at every step, with or without clip_norm, so a
+    NaN gradient whose loss is finite stops the run before its update, and no checkpoint of it is written."""
+
+    class NanGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * float("nan")
+
+    smoothing, calls = LabelSmoothing(11, 0, 0.1), []
+
+    def loss_fn(log_probs, labels):
+        calls.append(1)
+        loss = smoothing(log_probs, labels)
+        return NanGradient.apply(loss) if len(calls) == 3 else loss  # step 3: finite loss, nan gradient
+
+    model = tiny_model(seed=9)
+    with pytest.raises(trainer.NonFiniteLossError, match="step 3: the gradient norm is nan"):
+        train(model, padded_batches(6), steps=6, optimizer=make_optimizer(model), loss_fn=loss_fn,
+              checkpoint_dir=tmp_path, checkpoint_every=1, progress=False)
+    assert [path.name for path in checkpoints.list_checkpoints(tmp_path)] == ["step_00000001.pt", "step_00000002.pt"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_train_advances_a_callers_progress_bar_and_records_cross_entropy():
     import io
 
