@@ -52,8 +52,7 @@ def write_atomically(path, write, *, mode: str = "wb") -> Path:
     umask = os.umask(0o022)
     os.umask(umask)
     try:
-        # mkstemp makes 0600; give the file the mode that open() would
-        os.chmod(temporary, 0o666 & ~umask)
+        os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes 0600; open() would not
         encoding = None if "b" in mode else "utf-8"
         with os.fdopen(handle, mode, encoding=encoding) as stream:
             write(stream)
@@ -64,6 +63,11 @@ def write_atomically(path, write, *, mode: str = "wb") -> Path:
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise
+    if os.name == "posix":  # the rename, too, on the disk (a power cut could undo it)
+        folder = os.open(path.parent, os.O_RDONLY)
+        with contextlib.suppress(OSError):  # a file system that cannot sync folders
+            os.fsync(folder)
+        os.close(folder)
     return path
 
 
@@ -175,13 +179,12 @@ def read_checkpoint_file(path: Path, map_location="cpu"):
         ) from error
 
 
-# checkpoints this process verified: path -> its file_stamp when it was read
-VERIFIED: dict[Path, tuple] = {}
+VERIFIED: dict[Path, tuple] = {}  # path -> its file_stamp when this process verified it
 
 
 def file_stamp(path: Path) -> tuple:
-    """What changes when a file is rewritten or modified: its inode, size and
-    modification and change times."""
+    """What changes when a file is rewritten or modified through the file system: its
+    inode, size and modification and change times."""
     info = path.stat()
     return info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
