@@ -246,8 +246,8 @@ def describe_device(device) -> str:
 def compile_settings(device) -> AbstractContextManager:
     """``with compile_settings(device):`` runs (and so compiles) code for ``device``
     with the compiler settings that pay there: on a CPU, dropout's masks drawn by
-    PyTorch's own kernels (``fallback_random``), faster than inductor's code for them
-    and the masks of an eager step; elsewhere none."""
+    PyTorch's own kernels (``fallback_random``), faster than inductor's code for them,
+    and the same masks as an eager step's; elsewhere none."""
     if get_device(device).type != "cpu":
         return nullcontext()
     import torch._inductor.config as inductor_config  # imported on first use: large

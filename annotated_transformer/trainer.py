@@ -283,10 +283,11 @@ def train(
                                                      precision=precision, scaler=scaler)
             scaler.unscale_(optimizer)  # true gradients, to clip (a no-op unless fp16)
             limit = math.inf if clip_norm is None else clip_norm  # inf: only measure
-            norm: float | None = float(
-                nn.utils.clip_grad_norm_(model.parameters(), limit))
-            norm = None if precision.scaled else norm  # fp16: an overflow skips
-            check_finite(step + 1, loss, norm, checkpoint_dir)
+            norm: float | None = None  # fp16: an overflow is the scaler's to skip
+            if clip_norm is not None or not precision.scaled:
+                norm = float(nn.utils.clip_grad_norm_(model.parameters(), limit))
+            check_finite(step + 1, loss, None if precision.scaled else norm,
+                         checkpoint_dir)
             scaler.step(optimizer)  # skipped if an fp16 gradient overflowed
             scaler.update()  # a lower scale after an overflow
             optimizer.zero_grad(set_to_none=True)

@@ -109,8 +109,9 @@ def test_beam_size_one_without_end_symbol_is_greedy():
         assert best.score == pytest.approx(greedy_lp[i].sum().item(), abs=1e-12)
 
 
-# The penalty is applied outside the decoding step, so the compiled step (which compiles again for every width and,
-# its weights frozen in, for every model: 10 compilations) is checked with one penalty; the others with the eager caches.
+# The penalty is applied outside the decoding step, so the compiled step (which compiles again for every width
+# and, its weights frozen in, for every model: 10 compilations) is checked with one penalty; the other penalties
+# with the eager caches.
 WIDEST_BEAM_CASES = [(kind, alpha, cache) for kind, alpha in PENALTIES for cache in CACHES
                      if cache != "compiled" or (kind, alpha) == ("gnmt", 0.6)]
 

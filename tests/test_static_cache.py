@@ -290,8 +290,8 @@ def test_the_compiled_cpu_step_freezes_the_weights_and_compiles_again_when_they_
 
 def test_the_compiled_cpu_step_compiles_with_frozen_weights_and_restores_the_setting(small_model):
     """Freezing is switched on around each call of the compiled CPU step, by hand (entering config.patch at every
-    call slowed the step): the step must run the packed matrix products that freezing makes, and leave the setting as it was, so
-    that no other compiled code of the user's freezes its weights."""
+    call slowed the step): the step must run the packed matrix products that freezing makes, and leave the setting
+    as it was, so that no other compiled code of the user's freezes its weights."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("freezing packs weights for oneDNN/MKL only")
     model = small_model(30, dtype=torch.float32)
