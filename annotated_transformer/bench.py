@@ -89,9 +89,10 @@ def run_benchmarks(
     dtype=None,
     compile: bool = False,
     clock: str = "wall",
+    batch_sizes: tuple[int, ...] | None = None,
 ) -> dict:
     """Run the benchmark ``sections`` on ``device`` and return the results with a
-    description of the run.
+    description of the run; ``batch_sizes`` replaces the decoding section's.
 
     ``dtype`` defaults to the precision of training there (``choose_precision``:
     bfloat16 or float16 autocast on CUDA, float32 elsewhere); ``clock`` is "wall" or
@@ -108,6 +109,8 @@ def run_benchmarks(
     if dtype is None:
         dtype = choose_precision(device).dtype  # by the GPU: bf16 or fp16; else fp32
     sizes = benchmark_sizes(device.type, smoke)
+    if batch_sizes:  # a GPU loan may have time for one batch size at a time
+        sizes["decoding"]["batch_sizes"] = tuple(batch_sizes)
     timing = dict(device=device, clock=clock)
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     results: dict = dict(
@@ -216,9 +219,12 @@ def run(
     threads: int | None = None,
     compile: bool = False,
     clock: str = "wall",
+    batch_sizes: tuple[int, ...] | None = None,
 ) -> int:
     """The ``bench`` command: run the ``sections``, print their tables, save them to
     ``json_path`` if given."""
+    if batch_sizes and min(batch_sizes) < 1:
+        raise ValueError(f"--batch-sizes must be positive, got {list(batch_sizes)}")
     if threads is not None:
         most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)  # far more would only thrash
         if not 1 <= threads <= most:  # (and 100,000 threads crash PyTorch's pool)
@@ -228,9 +234,8 @@ def run(
     device = get_device(device)  # a ValueError: one line from the command line's main
     if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
         raise ValueError("--clock cpu needs --device cpu and one thread (--threads 1)")
-    results = run_benchmarks(
-        device, smoke=smoke, sections=tuple(sections), compile=compile, clock=clock
-    )
+    results = run_benchmarks(device, smoke=smoke, sections=tuple(sections),
+                             compile=compile, clock=clock, batch_sizes=batch_sizes)
     results["meta"]["command"] = command_line()
     print(format_tables(results))
     if json_path is not None:

@@ -478,6 +478,8 @@ def add_bench(subparsers) -> None:
     parser.add_argument("--threads", type=thread_count, help="CPU threads for PyTorch")
     parser.add_argument("--compile", action="store_true",
                         help="also time both models compiled, in the training section")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, metavar="N",
+                        help="the decoding section's batch sizes (default: 1 64)")
     timing = parser.add_argument_group("timing")
     timing.add_argument(
         "--clock",
@@ -502,6 +504,7 @@ def run_bench(args) -> int:
         threads=args.threads,
         compile=args.compile,
         clock=args.clock,
+        batch_sizes=args.batch_sizes,
     )
 
 

@@ -103,7 +103,8 @@ def test_module_script_hands_its_arguments_to_the_command_line() -> None:
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: python -m annotated_transformer bench")
-    for option in ("--smoke", "--device", "--only", "--json", "--threads", "--compile", "--clock"):
+    for option in ("--smoke", "--device", "--only", "--json", "--threads", "--compile", "--clock",
+                   "--batch-sizes"):
         assert option in result.stdout, option
 
 
@@ -119,6 +120,13 @@ def test_decoding_benchmark_reports_every_method_batch_and_length() -> None:
         assert row["speedup"] > 0
         assert row["tokens_per_s"] == pytest.approx(row["batch"] * 1e3 / row["ms_per_step"])
     assert all(row["speedup"] == 1.0 for row in rows if row["method"] == "greedy, no cache")
+
+
+def test_batch_sizes_replace_the_decoding_sections() -> None:
+    """`--batch-sizes` (one at a time, where a GPU loan is short) measures those batch sizes only."""
+    results = run_benchmarks("cpu", smoke=True, sections=("decoding",), batch_sizes=(3,))
+    assert {row["batch"] for row in results["decoding"]} == {3}
+    assert {row["batch"] for row in run_benchmarks("cpu", smoke=True, sections=("decoding",))["decoding"]} == {1, 4}
 
 
 def test_train_step_flops_is_six_times_weights_times_tokens() -> None:
