@@ -8,6 +8,27 @@ import torch
 from torch import nn
 
 
+class ReLUFunction(torch.autograd.Function):
+    """max(0, z) with the backward written as the sign of the output: the gradient of
+    ``torch.relu`` (0 at z = 0 too), as arithmetic on floats, not a boolean mask."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor) -> torch.Tensor:
+        out = z.clamp_min(0)
+        ctx.save_for_backward(out)  # what torch.relu keeps for its backward too
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (out,) = ctx.saved_tensors
+        return grad * out.sign()  # 1 where the output is positive, else 0
+
+
+def relu(z: torch.Tensor) -> torch.Tensor:
+    """``torch.relu``'s values and gradients, through :class:`ReLUFunction`."""
+    return ReLUFunction.apply(z)
+
+
 class PositionwiseFeedForward(nn.Module):
     """The position-wise feed-forward network of section 3.3, equation 2:
     ``w_2(dropout(relu(w_1(x))))``.
@@ -33,4 +54,4 @@ class PositionwiseFeedForward(nn.Module):
                 f"the input's last dimension must be d_model={self.d_model}, got shape "
                 f"{tuple(x.shape)}"
             )
-        return self.w_2(self.dropout(self.w_1(x).relu()))
+        return self.w_2(self.dropout(relu(self.w_1(x))))

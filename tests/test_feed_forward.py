@@ -132,3 +132,56 @@ def test_on_cuda_under_bf16_autocast():
         y = ffn(x)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), ffn(x), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_relu_gives_torch_relus_values_and_gradients(dtype):
+    """The sign-of-the-output backward is torch.relu's gradient, exactly, including at 0 and -0."""
+    from annotated_transformer.feed_forward import relu
+
+    z = torch.cat([torch.tensor([-1.0, -0.0, 0.0, 2.0], dtype=dtype), randn(500, dtype=dtype)])
+    upstream = randn(504, seed=2, dtype=dtype)
+    results = []
+    for function in (relu, torch.relu):
+        leaf = z.clone().requires_grad_()
+        out = function(leaf)
+        out.backward(upstream)
+        results.append((out.detach(), leaf.grad))
+    (ours, our_grad), (theirs, their_grad) = results
+    assert torch.equal(ours, theirs) and torch.equal(our_grad, their_grad)
+    assert our_grad[1] == 0 and our_grad[2] == 0  # 0 at the kink, as PyTorch's
+
+
+def test_compiled_training_step_writes_no_boolean_mask_for_relu():
+    """On a CPU the compiled forward and backward of the network (dropout on, in compile_settings) write no tensor
+    of booleans from the compiler's own code: with torch.relu the compiler writes ReLU's mask (this test fails)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from annotated_transformer.runtime import compile_settings
+
+    torch.manual_seed(0)
+    ffn = PositionwiseFeedForward(8, 32, dropout=0.1).train()
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step(x):
+        ffn(x).sum().backward()
+
+    torch._dynamo.reset()
+    with compile_settings("cpu"):
+        _, code = run_and_get_code(torch.compile(step), x)
+    torch._dynamo.reset()
+    assert code and all("cpp_fused" in part for part in code)  # the compiler's C++ kernels
+    written = [found for part in code for found in re.findall(r"(?<!const )\bbool\* \w+", part)]
+    assert written == []
+    eager = PositionwiseFeedForward(8, 32, dropout=0.0).train()
+    eager.load_state_dict(ffn.state_dict())
+    ffn.eval()  # the compiled gradients equal eager ones, without dropout's randomness
+    for net in (ffn, eager):
+        net.zero_grad()
+    grads = []
+    for net, run in ((ffn, torch.compile(lambda x: ffn(x).sum())), (eager, lambda x: eager(x).sum())):
+        run(x).backward()
+        grads.append(net.w_1.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
