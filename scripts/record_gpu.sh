@@ -125,20 +125,26 @@ session)
         rm -f "$OUT/copy.log"
     ) &
     wait
-    # the share of the time left for each section (BENCH_PARTS, "SECTIONS:PERCENT,..."): decoding compiles a step
-    # for each batch and length
-    IFS=, read -r -a parts <<<"${BENCH_PARTS:-decoding:55,training:80,attention layers:100}"
+    # the share of the time left for each section (BENCH_PARTS, "SECTIONS:PERCENT,..."; "decoding@N": the decoding
+    # section at batch size N alone). Decoding compiles a step for each batch and length: on one H100 the section
+    # took 110 s at batch 1 and 83 s at batch 64 (gpu-h100-2026-11-26), more than one part of a short loan. The
+    # default leaves out the attention and layer sections (recorded in gpu-h200-2026-11-26): at most 8 files come back
+    IFS=, read -r -a parts <<<"${BENCH_PARTS:-decoding@1:35,decoding@64:55,training:100}"
     for part in "${parts[@]}"; do
         sections=${part%:*} limit=$(($(left) * ${part##*:} / 100))
         if [ "$limit" -lt 5 ]; then note "bench $sections: no time left"; continue; fi
-        compile=()
-        if [ "$sections" = training ]; then compile=(--compile); fi
+        options=() name=${sections// /_}
+        if [ "$sections" = training ]; then options=(--compile); fi
+        if [[ $sections == *@* ]]; then
+            options=(--batch-sizes "${sections#*@}") name="${sections%@*}_batch${sections#*@}"
+            sections=${sections%@*}
+        fi
         rc=0
         # shellcheck disable=SC2086  # one section name per word
         timeout "$limit" "$PYTHON" -m annotated_transformer bench "${TINY[@]}" --device "$AT_DEVICE" \
-            --only $sections "${compile[@]}" --json "$OUT/bench_${sections// /_}.json" \
+            --only $sections "${options[@]}" --json "$OUT/bench_$name.json" \
             >>"$OUT/bench.log" 2>&1 || rc=$?
-        note "bench $sections: exit $rc (limit $limit s)"
+        note "bench $sections${options:+ ${options[*]}}: exit $rc (limit $limit s)"
     done
     rmdir "$OUT/results" 2>/dev/null || true  # a dry run's results folder, empty here
     ;;

@@ -86,7 +86,8 @@ if args[:2] == ["-m", "pytest"]:
 elif args[:3] == ["-m", "annotated_transformer", "train"]:
     print("copy exact-match (greedy, 1000 held-out sequences): 99.8%")
 elif args[:3] == ["-m", "annotated_transformer", "bench"]:
-    sections = args[args.index("--only") + 1:args.index("--json")]
+    after = args[args.index("--only") + 1:]
+    sections = after[:next(i for i, arg in enumerate(after) if arg.startswith("--"))]
     if "training" in sections:
         time.sleep(600)
     with open(args[args.index("--json") + 1], "w") as out:
@@ -110,17 +111,20 @@ def test_record_gpu_session_runs_every_part_within_its_time(tmp_path):
     (chapters / "16_translation.py").write_text("raise SystemExit('the session leaves translation out')\n")
     out = tmp_path / "out"
     before = sorted((ROOT / "book" / "results").rglob("*"))
-    done = run_script("bash", str(SCRIPTS / "record_gpu.sh"), "session", "16", timeout=120, env={
+    done = run_script("bash", str(SCRIPTS / "record_gpu.sh"), "session", "24", timeout=120, env={
         "PYTHON": str(python), "OUT": str(out), "AT_DEVICE": "cpu", "CHAPTER_DIR": str(chapters),
-        "ANNOTATED_TRANSFORMER_DATA": str(tmp_path), "BENCH_PARTS": "decoding:50,training:55,attention layers:100"})
+        "ANNOTATED_TRANSFORMER_DATA": str(tmp_path), "BENCH_PARTS": "decoding@1:50,decoding:50,training:55,attention layers:100"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = (out / "environment.txt").read_text()
     for part in ("CUDA tests: exit 0", "chapters: exit 0", "copy task: exit 0, copy exact-match",
-                 "bench decoding: exit 0", "bench training: exit 124", "bench attention layers: exit 0"):
+                 "bench decoding --batch-sizes 1: exit 0", "bench decoding: exit 0",
+                 "bench training --compile: exit 124", "bench attention layers: exit 0"):
         assert part in log, log
     rows = json.loads((out / "chapters-full.json").read_text())["chapters"]
     assert [row["chapter"] for row in rows] == ["good"]
-    for name, sections in (("decoding", {"decoding"}), ("attention_layers", {"attention", "layers"})):
+    parts = (("decoding_batch1", {"decoding"}), ("decoding", {"decoding"}),
+             ("attention_layers", {"attention", "layers"}))
+    for name, sections in parts:
         assert set(json.loads((out / f"bench_{name}.json").read_text())) == {"meta", *sections}
     assert not (out / "bench_training.json").exists()
     assert sorted((ROOT / "book" / "results").rglob("*")) == before
