@@ -130,7 +130,7 @@ def decode_step(model, memory, src_mask, cache, tokens):
 
     Writes the tokens' keys and values into the cache's slots and advances
     ``cache.position`` by T, in place. No shape depends on the position (a tensor), so
-    ``torch.compile`` compiles the step once for every position.
+    ``torch.compile`` compiles the step once, for all positions.
     """
     x = model.tgt_embed(tokens, cache.position)
     out = model.decoder(x, memory, src_mask, cache.mask(tokens.size(1)), cache)
@@ -141,8 +141,8 @@ def decode_step(model, memory, src_mask, cache, tokens):
 # one compiled decode_step per kind of device, made on first use
 COMPILED_STEPS: dict[str, Callable[..., torch.Tensor]] = {}
 MAX_STEP_GRAPHS = 64  # graphs of the compiled step (models, shapes) dynamo may keep
-# model -> its weights' versions when frozen in
-FROZEN: weakref.WeakKeyDictionary[nn.Module, tuple[int, ...]] = (
+# model -> its weights' fingerprint (weights_version) when frozen in
+FROZEN: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, float], ...]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -210,11 +210,12 @@ def static_step(model, memory, src_mask, cache, compile=False):
     return lambda tokens: step(model, memory, src_mask, cache, tokens.contiguous())
 
 
-def weights_version(model) -> tuple[int, ...]:
-    """The version counters of the model's parameters and buffers: every in-place
-    change of one (an optimiser's step, ``load_state_dict``) advances its counter.
-    (A change made through ``.data`` does not.)"""
-    return tuple(t._version for t in (*model.parameters(), *model.buffers()))
+def weights_version(model) -> tuple[tuple[int, float], ...]:
+    """A fingerprint of the model's parameters and buffers: each one's version counter
+    (advanced by most in-place changes, ``load_state_dict`` among them) and its sum in
+    float64 (moved by those that skip the counter: ``.data``, fused Adam)."""
+    return tuple((t._version, float(t.detach().double().sum()))
+                 for t in (*model.parameters(), *model.buffers()))
 
 
 def thaw_if_changed(model) -> None:
