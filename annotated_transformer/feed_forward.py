@@ -15,7 +15,7 @@ class ReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor) -> torch.Tensor:
         out = z.clamp_min(0)
-        ctx.save_for_backward(out)  # what torch.relu keeps for its backward too
+        ctx.save_for_backward(out)  # what torch.relu keeps in eager mode
         return out
 
     @staticmethod
