@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
 from annotated_transformer.masks import padding_mask, subsequent_mask
@@ -142,7 +143,7 @@ def decode_step(model, memory, src_mask, cache, tokens):
 COMPILED_STEPS: dict[str, Callable[..., torch.Tensor]] = {}
 MAX_STEP_GRAPHS = 64  # graphs of the compiled step (models, shapes) dynamo may keep
 # model -> its weights' fingerprint (weights_version) when frozen in
-FROZEN: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, float], ...]] = (
+FROZEN: weakref.WeakKeyDictionary[nn.Module, tuple[int, ...]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -210,12 +211,23 @@ def static_step(model, memory, src_mask, cache, compile=False):
     return lambda tokens: step(model, memory, src_mask, cache, tokens.contiguous())
 
 
-def weights_version(model) -> tuple[tuple[int, float], ...]:
-    """A fingerprint of the model's parameters and buffers: each one's version counter
-    (advanced by most in-place changes, ``load_state_dict`` among them) and its sum in
-    float64 (moved by those that skip the counter: ``.data``, fused Adam)."""
-    return tuple((t._version, float(t.detach().double().sum()))
-                 for t in (*model.parameters(), *model.buffers()))
+OPTIMISER_STEPS = [0]  # steps taken by any torch.optim optimiser in this process
+
+
+def count_optimiser_step(optimizer, args, kwargs) -> None:
+    OPTIMISER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(count_optimiser_step)
+
+
+def weights_version(model) -> tuple[int, ...]:
+    """A fingerprint of the model's weights: the optimiser steps taken so far (fused
+    Adam changes the weights without advancing their counters), then the version
+    counters of the model's parameters and buffers (advanced by most in-place changes,
+    ``load_state_dict`` among them; not by a change through ``.data``)."""
+    tensors = (*model.parameters(), *model.buffers())
+    return (OPTIMISER_STEPS[0], *(t._version for t in tensors))
 
 
 def thaw_if_changed(model) -> None:

@@ -311,8 +311,8 @@ def test_the_compiled_cpu_step_compiles_with_frozen_weights_and_restores_the_set
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_an_optimiser_step_and_load_state_dict_change_the_weights_fingerprint(small_model, fused):
-    """Fused Adam (make_optimizer's, on a CPU) leaves the version counters as they were: the fingerprint's sums
-    still see its step."""
+    """Fused Adam (make_optimizer's, on a CPU) leaves the version counters as they were: the fingerprint
+    still sees its step (it counts optimiser steps)."""
     from annotated_transformer.decoding import weights_version
 
     model = small_model(30)
