@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from annotated_transformer.runtime import as_int
+from annotated_transformer.runtime import as_int, get_device
 
 
 def attention(
@@ -167,6 +169,16 @@ class MultiHeadedAttention(nn.Module):
             if mask is not None:  # not every kernel gives zeros for a query with no key
                 x = x.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
         return self.w_o(x.transpose(1, 2).reshape(batch, length, self.d_model))
+
+
+def attention_settings(device) -> AbstractContextManager:
+    """``with attention_settings(device):`` runs scaled dot-product attention on
+    ``device`` with the kernels that suit batches of changing shapes: on a CUDA GPU,
+    any but cuDNN's, which first builds a plan for each new shape; elsewhere all."""
+    if get_device(device).type != "cuda":
+        return nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH])
 
 
 @dataclass

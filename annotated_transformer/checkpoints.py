@@ -129,20 +129,32 @@ def save_checkpoint(
 ) -> Path:
     """Write atomically the weights, optimiser and schedule states, step, generators'
     states (``rng``), ``config`` (or ``model.config``) and ``extra``, with a SHA-256."""
-    path = Path(path)
-    config = getattr(model, "config", None) if config is None else config
-    state = {
+    return write_state(path, checkpoint_state(
+        model=model, optimizer=optimizer, scheduler=scheduler, step=step,
+        config=config, extra=extra, rng=rng))
+
+
+def checkpoint_state(*, model: nn.Module, optimizer=None, scheduler=None,
+                     step: int = 0, config: dict | None = None,
+                     extra: dict | None = None, rng: list | None = None) -> dict:
+    """What ``save_checkpoint`` writes but its checksum (live tensors, not copies)."""
+    return {
         "format": CHECKPOINT_FORMAT,
         "step": int(step),
-        "config": dict(config) if config else {},
+        "config": dict((getattr(model, "config", None) if config is None else config)
+                       or {}),
         "model": model.state_dict(),
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "rng": rng if rng is not None else [rng_state()],
         "extra": dict(extra) if extra else {},
     }
-    state["checksum"] = content_digest(state)
-    return write_atomically(path, lambda stream: torch.save(state, stream))
+
+
+def write_state(path: str | os.PathLike, state: dict) -> Path:
+    """Write a ``checkpoint_state`` atomically at ``path``, with its SHA-256."""
+    return write_atomically(path, lambda stream: torch.save(
+        {**state, "checksum": content_digest(state)}, stream))
 
 
 def torch_reason(error: Exception) -> str:
@@ -263,16 +275,14 @@ def load_model_state(model: nn.Module, checkpoint: dict) -> None:
     """Load a checkpoint's weights into ``model``; refuse, naming the differences,
     another configuration."""
     mine, theirs = getattr(model, "config", None), checkpoint.get("config")
-    if mine and theirs:
-        keys = config_difference(theirs, mine)
-        if keys:
-            details = ", ".join(
-                f"{key} (checkpoint {theirs.get(key)!r}, model {mine.get(key)!r})"
-                for key in keys
-            )
-            raise ValueError(
-                f"the checkpoint is for another model configuration: {details}"
-            )
+    if mine and theirs and (keys := config_difference(theirs, mine)):
+        details = ", ".join(
+            f"{key} (checkpoint {theirs.get(key)!r}, model {mine.get(key)!r})"
+            for key in keys
+        )
+        raise ValueError(
+            f"the checkpoint is for another model configuration: {details}"
+        )
     try:
         model.load_state_dict(checkpoint["model"])
     except RuntimeError as error:
@@ -449,12 +459,11 @@ def check_run_folder(
         raise FileNotFoundError(f"the checkpoints of {folder} were removed while it "
                                 "was being checked")
     stored = {**checkpoint["config"], **(checkpoint["extra"] or {}).get("settings", {})}
-    keys = [
+    if keys := [
         key
         for key in config_difference(stored, config)
         if key in stored and key in config
-    ]
-    if keys:
+    ]:
         details = ", ".join(
             f"{key} (checkpoint {stored[key]!r}, this run {config[key]!r})"
             for key in keys

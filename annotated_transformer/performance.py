@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from annotated_transformer.attention import attention
+from annotated_transformer.attention import attention, attention_settings
 from annotated_transformer.beam_search import beam_search
 from annotated_transformer.decoding import greedy_decode
 from annotated_transformer.embeddings import Embeddings, Generator
@@ -246,7 +246,8 @@ def training_throughput(config: dict, batch: int, src_len: int, tgt_len: int,
         if compile:  # the same model and batch; its first (untimed) call compiles
             step_fns[f"{name}_compiled"] = make_train_step(
                 model, torch.compile(forward), src, tgt, dtype)
-    with compile_settings(device):  # what train() compiles in; eager steps ignore it
+    # as train() runs its steps (eager steps ignore the compiler's settings)
+    with compile_settings(device), attention_settings(device):
         times = time_side_by_side(step_fns, device, repeat=steps, warmup=warmup,
                                   clock=clock)
 

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import signal
+import threading
 import time
 import warnings
 from typing import Callable, Sequence
@@ -19,10 +21,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from annotated_transformer.attention import attention_settings
 from annotated_transformer.checkpoints import (
-    CheckpointError, checkpoint_path, checkpoint_problem, latest_checkpoint,
-    load_checkpoint, load_latest_checkpoint, load_model_state, rng_state,
-    rotate_checkpoints, save_checkpoint, set_rng_state,
+    CheckpointError, checkpoint_path, checkpoint_problem, checkpoint_state,
+    latest_checkpoint, load_checkpoint, load_latest_checkpoint, load_model_state,
+    rng_state, rotate_checkpoints, set_rng_state, write_state,
 )
 from annotated_transformer.runtime import (
     AmpSetting, Interrupted, Precision, Progress, choose_precision, compile_settings,
@@ -48,9 +51,9 @@ class LogProbs(nn.Module):
 
 def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callable, *,
                          device: torch.device, precision: Precision,
-                         scaler=None) -> tuple[float, float, int]:
-    """Forward and backward over the micro-batches of one optimiser step; return (loss,
-    nll, tokens) per token.
+                         scaler=None) -> tuple[torch.Tensor, int]:
+    """Forward and backward over the micro-batches of one optimiser step; return
+    ([loss, nll] per token, on the device, unread) and the step's tokens.
 
     Each micro-batch's loss is divided by the label tokens of the whole group, so the
     summed gradient is that of one batch holding all of them. ``nll`` is the
@@ -90,8 +93,7 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
     assert sums is not None  # the group holds a batch: it has target tokens
     if world > 1:
         dist.all_reduce(sums)
-    loss_per_token, nll_per_token = (sums / total_tokens).tolist()
-    return loss_per_token, nll_per_token, total_tokens
+    return sums / total_tokens, total_tokens
 
 
 def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
@@ -139,6 +141,59 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
     return checkpoint["step"], extra.get("history"), extra.get("train_seconds", 0.0)
 
 
+class CheckpointWriter:
+    """Runs one checkpoint write at a time in a background thread; ``check()`` and
+    ``wait()`` raise the error of a write that failed; leaving ``with`` waits."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self, write: Callable[[], None]) -> None:
+        self.wait()  # the write before, ended (and its error raised)
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as error:  # kept for the training loop to raise
+                self.error = error
+
+        self.thread = threading.Thread(target=run, name="checkpoint writer")
+        self.thread.start()
+
+    def check(self) -> None:
+        """Raise the error of a write that has failed (without waiting)."""
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def wait(self) -> None:
+        """Wait for the write under way; raise its error."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        self.check()
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """Wait for the last write; an error of the block comes before the writer's."""
+        with contextlib.suppress(Exception) if error else contextlib.nullcontext():
+            self.wait()
+
+
+def cpu_copy(value):
+    """``value`` with every tensor in it copied to the CPU: a snapshot of a state."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: cpu_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_copy(item) for item in value)
+    return copy.deepcopy(value)
+
+
 def write_checkpoint(
     checkpoint_dir,
     step: int,
@@ -152,9 +207,11 @@ def write_checkpoint(
     extra: dict | None = None,
     precision: Precision | None = None,
     scaler=None,
+    writer: CheckpointWriter | None = None,
 ) -> None:
     """Write ``step_XXXXXXXX.pt`` (from the first process) with every process's
-    generator state; verify; rotate."""
+    generator state; verify; rotate. With a ``writer`` (one process), from a snapshot
+    in the writer's thread."""
     rank, world = distributed_context()
     states: list[dict | None] = [None] * world  # all_gather_object fills it
     if world > 1:
@@ -164,27 +221,26 @@ def write_checkpoint(
     if rank == 0:
         run = {"precision": precision and precision.name,
                "grad_scaler": scaler.state_dict() if scaler else {}}  # {} unless fp16
-        path = save_checkpoint(
-            checkpoint_path(checkpoint_dir, step),
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            step=step,
-            rng=states,
-            extra={
-                **(extra or {}),
-                "history": history,
-                "train_seconds": train_seconds,
-                **run,
-            },
-        )
-        problem = checkpoint_problem(path)
-        if problem:
-            raise CheckpointError(
-                "the checkpoint just written does not read back, so no older one was "
-                f"deleted: {problem}"
-            )
-        rotate_checkpoints(checkpoint_dir, keep_last)
+        state = checkpoint_state(
+            model=model, optimizer=optimizer, scheduler=scheduler, step=step,
+            rng=states, extra={**(extra or {}), "history": history,
+                               "train_seconds": train_seconds, **run})
+        path = checkpoint_path(checkpoint_dir, step)
+
+        def finish(state: dict) -> None:
+            problem = checkpoint_problem(write_state(path, state))
+            if problem:
+                raise CheckpointError(
+                    "the checkpoint just written does not read back, so no older one "
+                    f"was deleted: {problem}"
+                )
+            rotate_checkpoints(checkpoint_dir, keep_last)
+
+        if writer is not None and world == 1:
+            snapshot = cpu_copy(state)
+            writer.start(lambda: finish(snapshot))
+        else:
+            finish(state)
     if world > 1:
         dist.barrier()
 
@@ -194,13 +250,16 @@ class NonFiniteLossError(ValueError, FloatingPointError):
     step and the value."""
 
 
-def check_finite(
-    step: int, loss: float, grad_norm: float | None, checkpoint_dir
-) -> None:
+def check_finite(step: int, loss: float, grad_norm: float | None, checkpoint_dir, *,
+                 writer: CheckpointWriter | None = None) -> None:
     """Raise NonFiniteLossError if step ``step``'s loss per token, or its gradient norm,
-    is not finite."""
+    is not finite (after ``writer``'s write under way: the message names the newest
+    checkpoint)."""
     if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
         return
+    if writer is not None:
+        with contextlib.suppress(Exception):  # a failed write: no newer checkpoint
+            writer.wait()
     what = (
         f"the loss per token is {loss}"
         if not math.isfinite(loss)
@@ -270,24 +329,26 @@ def train(
     net, loss_fn = for_training(model, device, loss_fn, compile=compile)
     note = f"precision: {precision}"  # printed above the run's own progress bar
     settings = compile_settings(device) if compile else contextlib.nullcontext()
-    with stop_requests() as stop, settings, contextlib.closing(
-            Progress(progress, total=steps, initial=start, note=note)) as bar:
+    with (stop_requests() as stop, settings, attention_settings(device),
+          CheckpointWriter() as writer,
+          contextlib.closing(Progress(progress, total=steps, initial=start,
+                                      note=note)) as bar):
         started = time.perf_counter()
+        group = micro_batches(get_batch, start, accumulation_steps)
         for step in range(start, steps):
-            group = [
-                get_batch(step * accumulation_steps + j)
-                for j in range(accumulation_steps)
-            ]
+            if isinstance(group, Exception):  # making this step's batches failed
+                raise group
+            writer.check()  # a checkpoint write that failed stops the run
             lr = optimizer.param_groups[0]["lr"]
-            loss, nll, tokens = accumulate_gradients(net, group, loss_fn, device=device,
-                                                     precision=precision, scaler=scaler)
+            sums, tokens = accumulate_gradients(net, group, loss_fn, device=device,
+                                                precision=precision, scaler=scaler)
             scaler.unscale_(optimizer)  # true gradients, to clip (a no-op unless fp16)
-            limit = math.inf if clip_norm is None else clip_norm  # inf: only measure
-            norm: float | None = None  # fp16: an overflow is the scaler's to skip
-            if clip_norm is not None or not precision.scaled:
-                norm = float(nn.utils.clip_grad_norm_(model.parameters(), limit))
-            check_finite(step + 1, loss, None if precision.scaled else norm,
-                         checkpoint_dir)
+            norm = gradient_norm(model, clip_norm, precision)  # on the device, or None
+            if step + 1 < steps:  # the next step's batches, while the device works
+                group = micro_batches(get_batch, step + 1, accumulation_steps)
+            loss, nll, norm_value = read_values(sums, norm)  # the step's one wait
+            check_finite(step + 1, loss, None if precision.scaled else norm_value,
+                         checkpoint_dir, writer=writer)
             scaler.step(optimizer)  # skipped if an fp16 gradient overflowed
             scaler.update()  # a lower scale after an overflow
             optimizer.zero_grad(set_to_none=True)
@@ -306,8 +367,9 @@ def train(
                                  optimizer=optimizer, scheduler=scheduler,
                                  history=history, keep_last=keep_last,
                                  train_seconds=seconds, extra=extra,
-                                 precision=precision, scaler=scaler)
+                                 precision=precision, scaler=scaler, writer=writer)
             if stop:
+                writer.wait()  # the checkpoint that the message names is written
                 stopped(stop[0], step + 1, checkpoint_dir)
     return history
 
@@ -339,6 +401,38 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
     if len(batches) == 0:
         raise ValueError("batches is empty")
     return lambda index: batches[index % len(batches)]
+
+
+def micro_batches(get_batch: Callable[[int], Batch], step: int,
+                  accumulation_steps: int) -> list[Batch] | Exception:
+    """The micro-batches of ``step``, or the exception that making them raised: the
+    loop makes them during the step before, and raises it at this step, once the step
+    before is done and saved."""
+    try:
+        return [get_batch(step * accumulation_steps + j)
+                for j in range(accumulation_steps)]
+    except Exception as error:
+        return error
+
+
+def gradient_norm(model: nn.Module, clip_norm: float | None,
+                  precision: Precision) -> torch.Tensor | None:
+    """The gradients' total norm, on the device, after clipping them to ``clip_norm``
+    (if given); None for fp16 without clipping (an overflow is the scaler's to skip)."""
+    if clip_norm is not None:
+        return nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+    if precision.scaled:
+        return None
+    return nn.utils.get_total_norm(
+        [p.grad for p in model.parameters() if p.grad is not None])
+
+
+def read_values(sums: torch.Tensor,
+                norm: torch.Tensor | None) -> tuple[float, float, float | None]:
+    """(loss, nll, norm) as Python numbers, read from the device in one transfer."""
+    values = sums if norm is None else torch.cat([sums, norm.reshape(1).to(sums)])
+    loss, nll, *rest = values.tolist()
+    return loss, nll, rest[0] if rest else None
 
 
 def timed(function: Callable, *args) -> float:

@@ -285,18 +285,65 @@ def test_rotation_never_counts_a_damaged_checkpoint_as_kept(tmp_path):
 
 def test_a_checkpoint_that_does_not_read_back_stops_the_run_and_deletes_nothing(tmp_path, monkeypatch):
     train_tiny(tmp_path, 4, keep_last=1, every=1)  # keeps step 4
-    real_save = checkpoints.save_checkpoint
+    real_write = checkpoints.write_state
 
-    def save_then_damage(path, **kwargs):
-        real_save(path, **kwargs)
+    def write_then_damage(path, state):
+        real_write(path, state)
         Path(path).write_bytes(Path(path).read_bytes()[:-100])  # as a failing disk would
         return Path(path)
 
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_damage)
+    # the write runs in the writer's thread; its error stops the run at the next step or write
+    monkeypatch.setattr(trainer, "write_state", write_then_damage)
     with pytest.raises(CheckpointError, match="does not read back, so no older one was deleted"):
         train_tiny(tmp_path, 6, resume=True, keep_last=1, every=1)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004.pt", "step_00000005.pt"]
     assert load_checkpoint(checkpoint_path(tmp_path, 4))["step"] == 4
+
+
+def test_checkpoints_are_written_while_training_goes_on_and_hold_their_own_step(tmp_path, monkeypatch):
+    """The trainer chapter's claims about CheckpointWriter: a write runs in its own thread while the next steps
+    train; it writes the state of its step (a snapshot), not a later one; train() returns once it is written."""
+    import threading
+
+    real_write, steps_during_write, writing = checkpoints.write_state, [], threading.Event()
+    loss_calls = []
+
+    def slow_write(path, state):
+        writing.set()
+        time.sleep(0.5)  # a slow disk
+        steps_during_write.append(len(loss_calls))
+        return real_write(path, state)
+
+    def counting_loss(log_probs, labels):
+        loss_calls.append(1)
+        return LabelSmoothing(11, 0, 0.1)(log_probs, labels)
+
+    monkeypatch.setattr(trainer, "write_state", slow_write)
+    _, history = train_tiny(tmp_path, 4, every=2, loss_fn=counting_loss)
+    assert writing.is_set() and steps_during_write[0] > 2  # steps 3 and on ran during step 2's write
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002.pt", "step_00000004.pt"]
+    monkeypatch.setattr(trainer, "write_state", real_write)
+    straight, _ = train_tiny(tmp_path / "straight", 2, every=2)
+    saved = load_checkpoint(checkpoint_path(tmp_path, 2))
+    assert all(torch.equal(saved["model"][key], value) for key, value in straight.state_dict().items())
+    assert saved["extra"]["history"]["step"] == [1, 2]  # the history as it was at step 2
+
+
+def test_a_failed_background_write_stops_the_run_at_the_next_step(tmp_path, monkeypatch):
+    def failing_write(path, state):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer, "write_state", failing_write)
+    loss_calls = []
+
+    def counting_loss(log_probs, labels):
+        loss_calls.append(1)
+        time.sleep(0.05)  # the write fails meanwhile
+        return LabelSmoothing(11, 0, 0.1)(log_probs, labels)
+
+    with pytest.raises(OSError, match="No space left"):
+        train_tiny(tmp_path, 10, every=2, loss_fn=counting_loss)
+    assert len(loss_calls) < 10 and list_checkpoints(tmp_path) == []
 
 
 # A loss that is not finite ----------------------------------------------------------------------------------

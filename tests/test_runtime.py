@@ -268,3 +268,54 @@ def test_devices_this_book_does_not_run_on_are_refused(monkeypatch, no_accelerat
     monkeypatch.setenv("AT_DEVICE", other)
     with pytest.raises(ValueError, match="AT_DEVICE"):
         get_device()
+
+
+# Attention kernels for batches of changing shapes
+
+
+def test_attention_settings_leave_cudnn_out_on_a_gpu_only(monkeypatch):
+    """On CUDA the context disables cuDNN's attention (a plan per new shape) and keeps the other fused kernels;
+    it restores the flags afterwards; on a CPU it changes nothing."""
+    from annotated_transformer.attention import attention_settings
+
+    backends = torch.backends.cuda
+    flags = lambda: (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(),  # noqa: E731
+                     backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled())
+    before = flags()
+    with attention_settings("cpu"):
+        assert flags() == before
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with attention_settings("cuda"):
+        assert flags() == (False, True, True, True)
+    assert flags() == before
+
+
+@pytest.mark.cuda
+def test_training_on_cuda_runs_attention_without_cudnn(monkeypatch):
+    """The training loop's steps and its validation run in attention_settings: no attention call sees cuDNN."""
+    import torch.nn.functional as F
+
+    from annotated_transformer import attention
+    from annotated_transformer.model import make_model
+    from annotated_transformer.trainer import train
+    from annotated_transformer.training import Batch, LabelSmoothing, make_optimizer
+
+    seen, before = [], torch.backends.cuda.cudnn_sdp_enabled()
+    original = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording)
+    torch.manual_seed(0)
+    model = make_model(11, 11, N=1, d_model=64, d_ff=128, h=2).cuda()
+    data = torch.randint(1, 11, (4, 9))
+    batches = [Batch(data[:, :length], data[:, :length]) for length in (5, 7, 9)]
+    evaluations = []
+    train(model, batches, steps=3, optimizer=make_optimizer(model), loss_fn=LabelSmoothing(11, 0, 0.1),
+          progress=False, evaluate=lambda step: evaluations.append(model(
+              *(t.cuda() for t in (batches[0].src, batches[0].tgt, batches[0].src_mask, batches[0].tgt_mask)))),
+          eval_every=1)
+    assert seen and not any(seen) and len(evaluations) == 3
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # given back as it was

@@ -367,6 +367,65 @@ def test_a_nan_gradient_behind_a_finite_loss_stops_the_run_without_clipping(tmp_
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_each_step_reads_the_device_once(monkeypatch):
+    """The trainer chapter's claim: the loop reads the loss, the cross-entropy and the gradient norm together, in
+    one transfer a step (a wait for a GPU). Counts every way a tensor's value reaches Python from the trainer's
+    code. (The checks of the ids in the embeddings and the loss read values only of tensors on a CPU.)"""
+    import inspect
+
+    reads = []
+    for name in ("tolist", "item", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if inspect.stack(context=0)[1].filename == trainer.__file__:
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    model = tiny_model(seed=3)
+    optimizer = make_optimizer(model)
+    batches = padded_batches(4)
+    reads.clear()
+    train(model, batches, steps=5, optimizer=optimizer, loss_fn=LabelSmoothing(11, 0, 0.1), progress=False)
+    assert reads == ["tolist"] * 5, reads
+
+
+def test_an_error_making_a_batch_comes_at_its_step_after_the_step_before_is_saved(tmp_path):
+    """The loop makes step k+1's batches during step k; a batch function that fails for step 3 still lets
+    step 2 finish and be saved, and the error is the function's own."""
+    batches = padded_batches(4)
+
+    def get_batch(index):
+        if index == 2:  # step 3's batch
+            raise RuntimeError("no batch 2")
+        return batches[index]
+
+    model = tiny_model(seed=4)
+    with pytest.raises(RuntimeError, match="no batch 2"):
+        train(model, get_batch, steps=4, optimizer=make_optimizer(model), loss_fn=LabelSmoothing(11, 0, 0.1),
+              checkpoint_dir=tmp_path, checkpoint_every=2, progress=False)
+    assert [path.name for path in checkpoints.list_checkpoints(tmp_path)] == ["step_00000002.pt"]
+
+
+def test_the_norm_without_clipping_leaves_the_gradients_as_they_are():
+    model = tiny_model(seed=6)
+    batch = padded_batches(1)[0]
+    loss = LabelSmoothing(11, 0, 0.1)(model.generator(model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask))
+                                      .reshape(-1, 11), batch.tgt_y.reshape(-1))
+    loss.backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    precision = trainer.choose_precision(torch.device("cpu"), None)
+    norm = trainer.gradient_norm(model, None, precision)
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in before]))
+    assert float(norm) == pytest.approx(float(expected), rel=1e-6)
+    clipped = trainer.gradient_norm(model, 1e-3, precision)
+    assert float(clipped) == pytest.approx(float(expected), rel=1e-6)
+    after = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    assert float(after) == pytest.approx(1e-3, rel=1e-3)
+
+
 def test_train_advances_a_callers_progress_bar_and_records_cross_entropy():
     import io
 
