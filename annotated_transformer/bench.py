@@ -16,17 +16,23 @@ from annotated_transformer.measure import CLOCKS, format_table
 from annotated_transformer.performance import (
     ATTENTION_COLUMNS,
     DECODING_COLUMNS,
+    SHAPE_COLUMNS,
     TRAINING_COLUMNS,
     attention_sweep,
     decoding_throughput,
     peak_flops,
+    shape_sweep,
     training_throughput,
 )
 from annotated_transformer.records import command_line, write_json
 from annotated_transformer.runtime import choose_precision, describe_device, get_device
 
 
-SECTIONS = ("training", "attention", "decoding", "layers")
+SECTIONS = ("training", "attention", "decoding", "layers", "shapes")
+DEFAULT_SECTIONS = SECTIONS[:4]  # shapes: on request
+# the full profile's model, on batches of about 8,192 tokens of 10 to 49 tokens each
+TRANSLATION_SHAPES = dict(config=dict(N=3, d_model=512, d_ff=2048, h=8, vocab=8000),
+                          shapes=[(8192 // length, length) for length in range(10, 50)])
 
 
 def benchmark_sizes(device_type: str, smoke: bool = False) -> dict:
@@ -44,6 +50,7 @@ def benchmark_sizes(device_type: str, smoke: bool = False) -> dict:
                 config=tiny, batch_sizes=(1, 4), output_tokens=(4, 8), src_len=6
             ),
             layers=dict(lengths=[8, 16], widths=[16], batch=2),
+            shapes=dict(config=tiny, shapes=[(8, 5), (6, 7), (4, 9)]),
         )
     if device_type == "cuda":
         base = dict(name="base", N=6, d_model=512, d_ff=2048, h=8, vocab=37000)
@@ -61,6 +68,7 @@ def benchmark_sizes(device_type: str, smoke: bool = False) -> dict:
                 widths=[512],
                 batch=16,
             ),
+            shapes=TRANSLATION_SHAPES,
         )
     small = dict(name="small", N=2, d_model=256, d_ff=1024, h=4, vocab=8000)
     return dict(
@@ -79,13 +87,14 @@ def benchmark_sizes(device_type: str, smoke: bool = False) -> dict:
             config=small, batch_sizes=(1, 64), output_tokens=(16, 64), src_len=16
         ),
         layers=dict(lengths=[16, 32, 64, 128, 256, 512, 1024], widths=[128], batch=8),
+        shapes=TRANSLATION_SHAPES,
     )
 
 
 def run_benchmarks(
     device=None,
     smoke: bool = False,
-    sections=SECTIONS,
+    sections=DEFAULT_SECTIONS,
     dtype=None,
     compile: bool = False,
     clock: str = "wall",
@@ -162,6 +171,8 @@ def run_benchmarks(
         results["layers"] = layer_sweep(
             **sizes["layers"], dtype=layer_dtype, repeat=sizes["repeat"], **timing
         )
+    if "shapes" in sections:  # on the wall clock: a pass is mostly the GPU's time
+        results["shapes"] = shape_sweep(**sizes["shapes"], device=device, dtype=dtype)
     return results
 
 
@@ -182,6 +193,10 @@ TABLES = {
     "layers": (
         "Layers of Table 1: one forward pass (batch of sequences, width d)",
         LAYER_COLUMNS,
+    ),
+    "shapes": (
+        "Batches of changing shapes: a training step per shape, four passes",
+        SHAPE_COLUMNS,
     ),
 }
 
@@ -214,7 +229,7 @@ MAX_THREADS_PER_CPU = 4  # the most threads `--threads` may ask for, per CPU
 def run(
     smoke: bool = False,
     device=None,
-    sections=SECTIONS,
+    sections=DEFAULT_SECTIONS,
     json_path=None,
     threads: int | None = None,
     compile: bool = False,

@@ -472,7 +472,7 @@ def add_bench(subparsers) -> None:
         nargs="+",
         choices=Choices("bench", "SECTIONS"),
         metavar="SECTION",
-        help="run only these sections (%(choices)s; default: all)",
+        help="run only these sections (%(choices)s; default: all but shapes)",
     )
     parser.add_argument("--json", metavar="PATH", help="also save the results as JSON")
     parser.add_argument("--threads", type=thread_count, help="CPU threads for PyTorch")
@@ -494,12 +494,12 @@ def add_bench(subparsers) -> None:
 
 
 def run_bench(args) -> int:
-    from annotated_transformer.bench import SECTIONS, run
+    from annotated_transformer.bench import DEFAULT_SECTIONS, run
 
     return run(
         smoke=args.smoke,
         device=args.device,
-        sections=args.only or SECTIONS,
+        sections=args.only or DEFAULT_SECTIONS,
         json_path=args.json,
         threads=args.threads,
         compile=args.compile,

@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import statistics
-from typing import Callable
+import time
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,7 @@ from annotated_transformer.measure import (
     MIB,
     largest_tensor_bytes,
     peak_memory_bytes,
+    synchronize,
     time_side_by_side,
 )
 from annotated_transformer.model import Embed, make_model
@@ -103,13 +106,13 @@ def autocast(device, dtype):
 
 
 def make_train_step(
-    model: nn.Module, forward: Callable, src, tgt, dtype, pad: int = 0
+    model: nn.Module, forward: Callable, src, tgt, dtype, pad: int = 0, optimizer=None
 ) -> Callable[[], float]:
     """One training step of ``model`` on the batch: forward (teacher forcing), NLL loss,
-    backward, Adam step."""
+    backward, Adam step (with ``optimizer``, or an Adam of its own)."""
     fused = src.device.type in ("cpu", "cuda")  # one kernel per update, as in training
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98),
-                                 eps=1e-9, fused=fused)
+    optimizer = optimizer or torch.optim.Adam(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=fused)
     model.train()
 
     def step():
@@ -271,6 +274,49 @@ def training_throughput(config: dict, batch: int, src_len: int, tgt_len: int,
         row.update(compiled_ratio=ratio("ours_compiled", "torch_compiled"),
                    compile_speedup=ratio("ours_compiled", "ours"))
     return row
+
+
+def shape_sweep(config: dict, shapes: Sequence[tuple[int, int]], device="cpu",
+                dtype=torch.float32, seed: int = 0) -> list[dict]:
+    """Mean training step time of ``make_model(**config)`` (``N, d_model, d_ff, h,
+    vocab``) over batches of ``shapes`` ((rows, length) each; sources and targets of
+    that length), in four passes: without cuDNN's attention twice, then with PyTorch's
+    default kernels twice. One row a pass: ``attention``, ``pass``, ``shapes``, ``ms``
+    (per step) and ``seconds`` (the pass)."""
+    device = torch.device(device)
+    sizes = {key: config[key] for key in ("N", "d_model", "d_ff", "h")}
+    torch.manual_seed(seed)
+    model = make_model(config["vocab"], config["vocab"], **sizes).to(device)
+
+    def forward(src, tgt, pad=0):
+        masks = padding_mask(src, pad), target_mask(tgt, pad)
+        return model.generator(model(src, tgt, *masks))
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98),
+                                 eps=1e-9, fused=device.type in ("cpu", "cuda"))
+    steps = [make_train_step(model, forward, *random_batch(
+        config["vocab"], rows, length, length, device, seed + i), dtype,
+        optimizer=optimizer) for i, (rows, length) in enumerate(shapes)]
+    rows = []
+    for name, settings in (("without cuDNN", attention_settings), ("default", None)):
+        for number in (1, 2):
+            with settings(device) if settings else contextlib.nullcontext():
+                synchronize(device)
+                begun = time.perf_counter()
+                for step in steps:
+                    step()
+                synchronize(device)
+            seconds = time.perf_counter() - begun
+            rows.append(dict(attention=name, number=number, shapes=len(steps),
+                             ms=1e3 * seconds / len(steps), seconds=seconds))
+    return rows
+
+
+SHAPE_COLUMNS = [
+    ("attention", "attention", "{}"), ("pass", "number", "{}"),
+    ("shapes", "shapes", "{}"), ("ms a step", "ms", "{:.1f}"),
+    ("seconds", "seconds", "{:.2f}"),
+]
 
 
 def attention_sweep(

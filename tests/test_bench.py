@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from annotated_transformer.attention import attention
-from annotated_transformer.bench import SECTIONS, TABLES, run_benchmarks
+from annotated_transformer.bench import DEFAULT_SECTIONS, SECTIONS, TABLES, run_benchmarks
 from annotated_transformer.layer_types import (
     LAYER_KINDS,
     RestrictedSelfAttention,
@@ -59,7 +59,7 @@ def test_smoke_command_prints_every_table_and_saves_json(tmp_path) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith("device: cpu") and "dtype: float32" in lines[0] and torch.__version__ in lines[0]
     assert "cpu clock" in lines[0] and "smoke sizes" in lines[0]
-    for section in SECTIONS:
+    for section in DEFAULT_SECTIONS:  # all but shapes, which runs on request
         title = TABLES[section][0]
         assert title in lines, section
         header = lines[lines.index(title) + 1]
@@ -69,8 +69,9 @@ def test_smoke_command_prints_every_table_and_saves_json(tmp_path) -> None:
     assert saved["meta"]["threads"] == 1 and saved["meta"]["clock"] == "cpu"
     assert saved["meta"]["command"] == ("python -m annotated_transformer bench --smoke --device cpu --threads 1 "
                                         f"--clock cpu --json {out}")
-    for section in SECTIONS:
+    for section in DEFAULT_SECTIONS:
         assert saved[section], section
+    assert "shapes" not in saved and set(SECTIONS) - set(DEFAULT_SECTIONS) == {"shapes"}
     assert {row["method"] for row in saved["decoding"]} == set(DECODING_METHODS)
     assert {row["kind"] for row in saved["layers"]} == set(LAYER_KINDS)
     row = saved["training"][0]
@@ -268,3 +269,18 @@ def test_the_compiled_training_rows_are_timed_beside_the_eager_ones() -> None:
         assert row[f"{name}_ms"] > 0 and row[f"{name}_mfu"] is None
         assert row[f"{name}_tokens_per_s"] == pytest.approx(row["tokens"] / row[f"{name}_ms"] * 1e3)
     assert all(row[key] > 0 for key in ("ratio", "compiled_ratio", "compile_speedup")) and row["compiled"]
+
+
+def test_the_shapes_section_runs_on_request_in_four_passes(tmp_path) -> None:
+    """`bench --only shapes`: a training step per shape, without cuDNN's attention twice, then PyTorch's
+    default twice (on a CPU the same kernels: a check that it runs)."""
+    out = tmp_path / "shapes.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "annotated_transformer", "bench", "--smoke", "--device", "cpu", "--only", "shapes",
+         "--json", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert TABLES["shapes"][0] in result.stdout.splitlines()
+    rows = json.loads(out.read_text())["shapes"]
+    assert [(row["attention"], row["number"], row["shapes"]) for row in rows] == [
+        ("without cuDNN", 1, 3), ("without cuDNN", 2, 3), ("default", 1, 3), ("default", 2, 3)]
+    assert all(row["ms"] > 0 and row["seconds"] == pytest.approx(row["ms"] * 3 / 1e3) for row in rows)
