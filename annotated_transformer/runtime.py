@@ -34,8 +34,7 @@ def get_profile(value: str | None = None) -> str:
     ``value``, if given, or else the environment variable ``AT_PROFILE`` must be
     ``quick``, ``full`` or ``auto`` (in any case; an unset or empty variable means
     ``auto``). ``auto`` resolves to ``full`` when CUDA is available and to ``quick``
-    otherwise. Any other value raises ``ValueError``.
-    """
+    otherwise. Any other value raises ``ValueError``."""
     raw = value if value is not None else (os.environ.get("AT_PROFILE") or "auto")
     name = str(raw).strip().lower()
     if name == "auto":
@@ -49,8 +48,7 @@ def by_profile(quick, full, profile: str | None = None):
     """Return ``quick`` or ``full``, whichever belongs to the active profile.
 
     ``profile`` overrides ``AT_PROFILE`` (see ``get_profile``). Example: ``steps =
-    by_profile(200, 20_000)``.
-    """
+    by_profile(200, 20_000)``."""
     return quick if get_profile(profile) == "quick" else full
 
 
@@ -59,11 +57,9 @@ def get_device(name: str | torch.device | None = None) -> torch.device:
 
     ``name``, if given, or else the environment variable ``AT_DEVICE`` names a PyTorch
     device (``cpu``, ``cuda``, ``cuda:1``, ``mps``; in any case) or is ``auto``.
-    ``auto``, an unset or an
-    empty variable mean: CUDA if available, then Apple MPS, then the CPU. Asking for a
-    device this machine lacks, or one the book does not run on (xpu, hpu, meta), raises
-    ValueError.
-    """
+    ``auto``, an unset or an empty variable mean: CUDA if available, then Apple MPS,
+    then the CPU. Asking for a device this machine lacks, or one the book does not run
+    on (xpu, hpu, meta), raises ValueError."""
     if name is None:
         name = os.environ.get("AT_DEVICE", "")
     if isinstance(name, str) and name.strip().lower() in ("", "auto"):
@@ -81,18 +77,14 @@ def get_device(name: str | torch.device | None = None) -> torch.device:
         ) from error
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(
-                f"device {name!r} was asked for, but CUDA is not available on this "
-                "machine"
-            )
+            raise ValueError(f"device {name!r} was asked for, but CUDA is not "
+                             "available on this machine")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device {name!r} was asked for, but this machine has "
                              f"{torch.cuda.device_count()} CUDA device(s)")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(
-            f"device {name!r} was asked for, but Apple MPS is not available on this "
-            "machine"
-        )
+        raise ValueError(f"device {name!r} was asked for, but Apple MPS is not "
+                         "available on this machine")
     if device.type not in ("cpu", "cuda", "mps"):  # xpu, hpu, meta (no data at all)...
         raise ValueError(f"device {name!r} (the argument, or AT_DEVICE) is not one "
                          "this book runs on: use cpu, cuda, cuda:N, mps or auto")
@@ -101,12 +93,9 @@ def get_device(name: str | torch.device | None = None) -> torch.device:
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
     """Seed Python's, NumPy's and PyTorch's random number generators (PyTorch's on every
-    device).
-
-    With ``deterministic=True``, also make PyTorch use deterministic algorithms (and set
-    the cuBLAS workspace that CUDA needs for them; call this before any CUDA work).
-    ``seed`` must be an int in [0, 2**32).
-    """
+    device); ``seed`` must be an int in [0, 2**32). ``deterministic=True`` also makes
+    PyTorch use deterministic algorithms, with the cuBLAS workspace that CUDA needs for
+    them (call this before any CUDA work)."""
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed < 2**32:
@@ -179,8 +168,7 @@ def choose_precision(device=None, amp: AmpSetting = None) -> Precision:
     autocast of the device's type (bf16 on a CPU); ``"bf16"``, ``"fp16"`` or a torch
     dtype asks for that type. fp16 on a CPU and autocast on MPS are refused
     (ValueError); bf16 on a GPU without it runs emulated, with a warning. A
-    ``Precision`` made for this type of device is returned as it is.
-    """
+    ``Precision`` made for this type of device is returned as it is."""
     device = get_device(device)
     kind = device.type
     if isinstance(amp, Precision) and amp.device == kind:
@@ -208,7 +196,18 @@ def choose_precision(device=None, amp: AmpSetting = None) -> Precision:
     if dtype == torch.float16:
         raise ValueError("fp16 on a CPU is refused: CPUs compute float16 slowly, if "
                          "at all; ask for bf16 (--amp-dtype bf16) or fp32 (--no-amp)")
+    if cpu_has_bf16_kernels() is False:
+        warnings.warn("bf16 was asked for, but this CPU has no fast bfloat16 kernels: "
+                      "slow generic code, often slower than fp32 (the default here)")
+        return Precision(kind, torch.bfloat16, "asked for; no native bfloat16 here")
     return Precision(kind, torch.bfloat16, "asked for")
+
+
+def cpu_has_bf16_kernels() -> bool | None:
+    """Whether PyTorch has oneDNN's fast bfloat16 kernels on this CPU (on x86 they need
+    AVX-512 or its successors); None where this PyTorch cannot say."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return None if check is None else bool(check())
 
 
 def read_amp(amp) -> tuple[bool | None, torch.dtype | None]:
@@ -227,7 +226,8 @@ def read_amp(amp) -> tuple[bool | None, torch.dtype | None]:
 
 def describe_device(device) -> str:
     """A readable name of ``device``: ``"cuda (NVIDIA H100 ...)"``, or ``"cpu (<model>,
-    2 threads)"``."""
+    2 threads, AVX2)"``: the CPU's model, PyTorch's threads, the vector instructions
+    PyTorch uses and ``bf16`` where it has fast bfloat16 kernels."""
     device = get_device(device)
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
@@ -240,7 +240,10 @@ def describe_device(device) -> str:
     except OSError:
         pass
     threads = torch.get_num_threads()
-    return f"{device.type} ({name}, {threads} thread{'' if threads == 1 else 's'})"
+    simd = torch.backends.cpu.get_cpu_capability()  # the vector unit PyTorch uses
+    bf16 = ", bf16" if cpu_has_bf16_kernels() else ""
+    return (f"{device.type} ({name}, {threads} thread{'' if threads == 1 else 's'}, "
+            f"{simd}{bf16})")
 
 
 def compile_settings(device) -> AbstractContextManager:
@@ -257,8 +260,7 @@ def compile_settings(device) -> AbstractContextManager:
 
 @contextmanager
 def evaluating(model: torch.nn.Module):
-    """``with evaluating(model):`` runs the block in evaluation mode and restores the
-    model's mode afterwards."""
+    """``with evaluating(model):`` runs the block in eval mode, then restores it."""
     was_training = model.training
     model.eval()
     try:
@@ -275,9 +277,8 @@ def as_int(value, name: str) -> int:
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(
-            f"{name} must be an integer, got {type(value).__name__}"
-        ) from None
+        raise TypeError(f"{name} must be an integer, got "
+                        f"{type(value).__name__}") from None
 
 
 def check_size(name: str, value) -> None:
@@ -353,12 +354,9 @@ def distributed_context() -> tuple[int, int]:
 
 
 def init_distributed(device=None) -> torch.device:
-    """Join the process group that ``torchrun`` describes (RANK, WORLD_SIZE,
-    LOCAL_RANK); return the device.
-
-    NCCL on CUDA (one GPU per process), gloo on CPU. Without ``torchrun`` (WORLD_SIZE
-    unset or 1) nothing happens and the device is ``get_device(device)``.
-    """
+    """Join the process group that ``torchrun`` describes (RANK, WORLD_SIZE, LOCAL_RANK:
+    NCCL on CUDA, one GPU per process; gloo on CPU); return the device. Without
+    ``torchrun`` (WORLD_SIZE unset or 1), nothing but ``get_device(device)``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = get_device(device)
     if world == 1 or dist.is_initialized():
@@ -427,10 +425,9 @@ STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")  # Ctrl-C, `kill`, a closed termi
 
 @contextmanager
 def stop_requests():
-    """Within the block, a first Ctrl-C, SIGTERM or SIGHUP is only noted: its number
-    goes into the yielded list, for the caller to stop at a safe point; a second one
-    interrupts at once. Outside the main thread, and for an ignored signal, nothing
-    changes."""
+    """Within the block, a first Ctrl-C, SIGTERM or SIGHUP is only noted (its number
+    goes into the yielded list, for the caller to stop at a safe point); a second
+    interrupts at once. Outside the main thread or for an ignored signal: no change."""
     noted: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield noted

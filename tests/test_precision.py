@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from annotated_transformer import trainer
+from annotated_transformer import runtime, trainer
 from annotated_transformer.checkpoints import latest_checkpoint, list_checkpoints, load_checkpoint
 from annotated_transformer.cli import build_parser, main
 from annotated_transformer.model import make_model
-from annotated_transformer.runtime import AMP_TYPES, Precision, choose_precision
+from annotated_transformer.runtime import (AMP_TYPES, Precision, choose_precision, cpu_has_bf16_kernels,
+                                           describe_device)
 from annotated_transformer.copy_task import copy_batches, train_copy_task
 from annotated_transformer.trainer import train
 from annotated_transformer.training import LabelSmoothing, make_optimizer, make_scheduler
@@ -40,6 +41,15 @@ def gpu_of_capability(monkeypatch):
     return pretend
 
 
+@pytest.fixture
+def cpu_bf16(monkeypatch):
+    """Pretend that this CPU has (True), lacks (False) or cannot tell (None) fast bfloat16 kernels."""
+    def pretend(has: bool | None) -> None:
+        monkeypatch.setattr(runtime, "cpu_has_bf16_kernels", lambda: has)
+    pretend(True)  # the tests below that ask for bf16 on a CPU are not about its kernels
+    return pretend
+
+
 # The choice --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("capability, name", [((6, 1), "fp16"), ((7, 0), "fp16"), ((7, 5), "fp16"),
@@ -55,7 +65,7 @@ def test_a_gpu_gets_bf16_from_capability_8_and_fp16_with_scaling_below(gpu_of_ca
         assert choose_precision(device, amp=True) == precision  # --amp alone: the same choice
 
 
-def test_a_cpu_gets_fp32_by_default_and_bf16_only_when_asked(monkeypatch):
+def test_a_cpu_gets_fp32_by_default_and_bf16_only_when_asked(monkeypatch, cpu_bf16):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     assert choose_precision().name == choose_precision("cpu").name == "fp32"
@@ -63,6 +73,28 @@ def test_a_cpu_gets_fp32_by_default_and_bf16_only_when_asked(monkeypatch):
     for amp in (True, "bf16", "BF16", " bfloat16 ", torch.bfloat16):
         precision = choose_precision("cpu", amp)
         assert precision.name == "bf16" and not precision.scaled, amp
+
+
+def test_bf16_on_a_cpu_without_fast_kernels_warns_and_the_precision_says_so(cpu_bf16):
+    cpu_bf16(False)
+    with pytest.warns(UserWarning, match="bf16 was asked for, but this CPU has no fast bfloat16 kernels") as caught:
+        precision = choose_precision("cpu", "bf16")
+    assert len(caught) == 1 and precision.name == "bf16" and not precision.scaled
+    assert str(precision) == "bf16 autocast on cpu (asked for; no native bfloat16 here)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose_precision("cpu").name == "fp32"  # the default never warns
+        for has in (True, None):  # fast kernels, or a PyTorch that cannot tell: no warning
+            cpu_bf16(has)
+            assert str(choose_precision("cpu", True)) == "bf16 autocast on cpu (asked for)"
+
+
+def test_the_kernel_check_and_the_device_name_follow_this_machine():
+    has = cpu_has_bf16_kernels()
+    assert has in (True, False, None)
+    name = describe_device("cpu")
+    assert name.startswith("cpu (") and f"thread{'' if torch.get_num_threads() == 1 else 's'}, " in name
+    assert name.endswith(f", {torch.backends.cpu.get_cpu_capability()}{', bf16' if has else ''})"), name
 
 
 @pytest.mark.parametrize("amp", ["fp16", "float16", torch.float16])
@@ -234,7 +266,7 @@ def test_a_nan_loss_still_stops_an_fp16_run(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt", "step_00000002.pt"]
 
 
-def test_checkpoints_name_the_precision_and_resuming_in_another_warns(tmp_path):
+def test_checkpoints_name_the_precision_and_resuming_in_another_warns(tmp_path, cpu_bf16):
     tiny_run(tmp_path, steps=2)
     extra = load_checkpoint(latest_checkpoint(tmp_path))["extra"]
     assert extra["precision"] == "fp32" and extra["grad_scaler"] == {}
@@ -272,7 +304,7 @@ def run_main(argv):
     return code, stdout.getvalue(), stderr.getvalue()
 
 
-def test_the_command_line_records_the_precision_it_was_given(tmp_path):
+def test_the_command_line_records_the_precision_it_was_given(tmp_path, cpu_bf16):
     code, out, _ = run_main(COPY + ["--amp-dtype", "bf16", "--checkpoint-dir", str(tmp_path / "bf16")])
     assert code == 0 and "precision: bf16 autocast on cpu (asked for)" in out
     assert load_checkpoint(latest_checkpoint(tmp_path / "bf16"))["extra"]["precision"] == "bf16"
@@ -280,6 +312,15 @@ def test_the_command_line_records_the_precision_it_was_given(tmp_path):
     assert code == 0 and load_checkpoint(latest_checkpoint(tmp_path / "default"))["extra"]["precision"] == "fp32"
     code, _, _ = run_main(COPY + ["--amp", "--checkpoint-dir", str(tmp_path / "amp"), "--no-progress"])
     assert code == 0 and load_checkpoint(latest_checkpoint(tmp_path / "amp"))["extra"]["precision"] == "bf16"
+
+
+def test_the_command_line_warns_in_one_line_of_bf16_on_a_cpu_without_it(tmp_path, cpu_bf16):
+    cpu_bf16(False)
+    code, out, err = run_main(COPY + ["--amp", "--checkpoint-dir", str(tmp_path / "run"), "--no-progress"])
+    assert code == 0 and load_checkpoint(latest_checkpoint(tmp_path / "run"))["extra"]["precision"] == "bf16"
+    warned = [line for line in err.splitlines() if "bfloat16 kernels" in line]
+    assert warned == ["warning: bf16 was asked for, but this CPU has no fast bfloat16 kernels: slow generic code, "
+                      "often slower than fp32 (the default here)"], err
 
 
 @pytest.mark.parametrize("argv, message", [
