@@ -235,9 +235,11 @@ def run(
     compile: bool = False,
     clock: str = "wall",
     batch_sizes: tuple[int, ...] | None = None,
+    precision: str | None = None,
 ) -> int:
     """The ``bench`` command: run the ``sections``, print their tables, save them to
-    ``json_path`` if given."""
+    ``json_path`` if given; ``precision`` ("bf16", "fp16" or "fp32") overrules the
+    device's precision of training, by the runtime's rules."""
     if batch_sizes and min(batch_sizes) < 1:
         raise ValueError(f"--batch-sizes must be positive, got {list(batch_sizes)}")
     if threads is not None:
@@ -249,7 +251,8 @@ def run(
     device = get_device(device)  # a ValueError: one line from the command line's main
     if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
         raise ValueError("--clock cpu needs --device cpu and one thread (--threads 1)")
-    results = run_benchmarks(device, smoke=smoke, sections=tuple(sections),
+    dtype = None if precision is None else choose_precision(device, precision).dtype
+    results = run_benchmarks(device, smoke=smoke, sections=tuple(sections), dtype=dtype,
                              compile=compile, clock=clock, batch_sizes=batch_sizes)
     results["meta"]["command"] = command_line()
     print(format_tables(results))

@@ -480,6 +480,8 @@ def add_bench(subparsers) -> None:
                         help="also time both models compiled, in the training section")
     parser.add_argument("--batch-sizes", nargs="+", type=int, metavar="N",
                         help="the decoding section's batch sizes (default: 1 64)")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"),
+                        help="the arithmetic timed (default: training's on the device)")
     timing = parser.add_argument_group("timing")
     timing.add_argument(
         "--clock",
@@ -505,6 +507,7 @@ def run_bench(args) -> int:
         compile=args.compile,
         clock=args.clock,
         batch_sizes=args.batch_sizes,
+        precision=args.precision,
     )
 
 

@@ -284,3 +284,23 @@ def test_the_shapes_section_runs_on_request_in_four_passes(tmp_path) -> None:
     assert [(row["attention"], row["number"], row["shapes"]) for row in rows] == [
         ("without cuDNN", 1, 3), ("without cuDNN", 2, 3), ("default", 1, 3), ("default", 2, 3)]
     assert all(row["ms"] > 0 and row["seconds"] == pytest.approx(row["ms"] * 3 / 1e3) for row in rows)
+
+
+def test_precision_overrules_the_devices_by_the_runtimes_rules(tmp_path, monkeypatch, capsys) -> None:
+    """`bench --precision bf16` times bf16 autocast on a CPU (warning where it has no fast bf16 kernels); fp16 there
+    is refused in one line, as for training."""
+    from annotated_transformer import runtime
+    from annotated_transformer.cli import main
+
+    monkeypatch.setattr(runtime, "cpu_has_bf16_kernels", lambda: False)
+    out = tmp_path / "bf16.json"
+    base = ["bench", "--smoke", "--device", "cpu", "--only", "training", "--json"]
+    assert main(base + [str(out), "--precision", "bf16"]) == 0
+    assert json.loads(out.read_text())["meta"]["dtype"] == "bfloat16"
+    assert "warning: bf16 was asked for, but this CPU has no fast bfloat16 kernels" in capsys.readouterr().err
+    assert main(base + [str(out), "--precision", "fp32"]) == 0
+    assert json.loads(out.read_text())["meta"]["dtype"] == "float32"
+    assert main(base + [str(tmp_path / "fp16.json"), "--precision", "fp16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: fp16 on a CPU is refused") and err.count("\n") == 1, err
+    assert not (tmp_path / "fp16.json").exists()
