@@ -167,7 +167,7 @@ def choose_precision(device=None, amp: AmpSetting = None) -> Precision:
     that, fp32 on a CPU and on MPS. ``False`` (or ``"fp32"``) is fp32; ``True`` is
     autocast of the device's type (bf16 on a CPU); ``"bf16"``, ``"fp16"`` or a torch
     dtype asks for that type. fp16 on a CPU and autocast on MPS are refused
-    (ValueError); bf16 on a GPU without it runs emulated, with a warning. A
+    (ValueError); bf16 on a GPU or CPU without it runs slowly, with a warning. A
     ``Precision`` made for this type of device is returned as it is."""
     device = get_device(device)
     kind = device.type
