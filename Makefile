@@ -52,8 +52,9 @@ check: $(STAMP)
 # the execution: their text shows the numbers that the executed chapters glued (scripts/notebooks.py). The build
 # reads _config.yml through scripts/notebooks.py config, which leaves out the buttons that need a repository until
 # one is named.
+# EXECUTED: a folder of chapters as pytest --save-executed ran them, taken instead of running them again
 html: $(STAMP)
-	$(PY) scripts/execute_chapters.py
+	$(PY) scripts/execute_chapters.py $(if $(EXECUTED),--executed $(EXECUTED))
 	$(PY) scripts/notebooks.py config
 	$(PY) scripts/notebooks.py write
 	$(VENV)/bin/jupyter-book build . --config _build/_config.yml --all -W -n --keep-going
@@ -71,10 +72,13 @@ chapters: $(STAMP)
 site: $(STAMP)
 	AT_REQUIRE_SITE=1 $(PY) -m pytest tests -m site
 
-# Unit tests and every chapter through nbval in one pytest run, the tangle check, the book build, the site check.
+# Unit tests and every chapter through nbval in one pytest run, the tangle check, the book build from the chapters
+# as that run executed them (none runs twice), the site check.
 test: check
-	$(PY) -m pytest tests book -n $(JOBS) --dist loadfile --nbval-lax --nbval-current-env -m "not site"
-	$(MAKE) --no-print-directory html
+	rm -rf _build/executed
+	$(PY) -m pytest tests book -n $(JOBS) --dist loadfile --nbval-lax --nbval-current-env -m "not site" \
+		--save-executed _build/executed
+	$(MAKE) --no-print-directory html EXECUTED=_build/executed
 	$(MAKE) --no-print-directory site
 
 bench: $(STAMP)

@@ -3,6 +3,10 @@
 nbval 0.11 only collects ``.ipynb`` files and reads them with ``nbformat.read``. For a ``.md`` file whose front
 matter says ``format_name: myst`` we return nbval's own collector, with that one read done by jupytext instead.
 Run with ``pytest --nbval-lax book`` (the Makefile does); the checks are the ``assert``s in the chapters' cells.
+
+With ``--save-executed DIR`` each chapter whose cells all passed is also written to ``DIR/<chapter>.ipynb`` with the
+outputs its cells printed, for `scripts/execute_chapters.py --executed DIR`: `make test` then builds the book from
+the very runs it checked instead of running every chapter a second time.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ if IPyNbFile is not None:
         """nbval's collector, reading the chapter through jupytext."""
 
         def collect(self):
+            self.cell_items = []
             original = nbformat.read
 
             def read(path, *args, **kwargs):
@@ -44,7 +49,32 @@ if IPyNbFile is not None:
                 return original(path, *args, **kwargs)
 
             with mock.patch.object(nbformat, "read", read):
-                yield from super().collect()
+                for item in super().collect():
+                    self.cell_items.append(item)
+                    yield item
+
+        def teardown(self):
+            folder = self.config.getoption("save_executed")
+            if folder is not None:
+                save_executed(self.nb, self.cell_items, Path(folder) / f"{self.path.stem}.ipynb")
+            super().teardown()
+
+
+def save_executed(notebook, items, target: Path) -> None:
+    """Write the notebook with the outputs its cells printed under nbval, if every cell ran without an error."""
+    for item in items:
+        outputs = item.test_outputs
+        if outputs is None or any(out.get("output_type") == "error" for out in outputs):
+            return
+    for count, item in enumerate(items, start=1):
+        item.cell.outputs, item.cell.execution_count = item.test_outputs, count
+    target.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, target)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--save-executed", metavar="DIR", default=None,
+                     help="write each chapter that passed, with its outputs, to DIR/<chapter>.ipynb")
 
 
 def pytest_collect_file(file_path: Path, parent):

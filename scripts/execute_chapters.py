@@ -5,6 +5,10 @@ from the cache named in `_config.yml` when the chapter's source matches. This sc
 it by running every chapter of `_toc.yml` with jupyter-cache's parallel executor, one kernel per core. The cache
 keys on cell sources only, so it must never outlive a build: `make html` always runs this script first. A chapter
 that fails here is not cached, and the book build then runs it again and reports the error.
+
+`--executed DIR` first caches the executed chapters that `pytest --save-executed DIR` wrote (every cell passed
+under nbval; `make test` does this), where a chapter's cells are still those of its source, and runs only the
+others: the book then shows the outputs of the runs its tests checked, and no chapter runs twice.
 """
 from __future__ import annotations
 
@@ -25,13 +29,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path.cwd())
     parser.add_argument("--cache", type=Path, default=Path("_build/.jupyter_cache"))
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--executed", type=Path, default=None, metavar="DIR",
+                        help="cache the chapters executed in DIR (pytest --save-executed) instead of running them")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     cache_path = (root / args.cache).resolve()
     shutil.rmtree(cache_path, ignore_errors=True)
     cache = get_cache(cache_path)
+    taken = {}
     for path in chapters(root):
         cache.add_nb_to_project(str(path), read_data={"name": "jupytext", "type": "plugin"})
+        executed = args.executed / f"{path.stem}.ipynb" if args.executed else None
+        if executed is not None and executed.is_file():
+            taken[str(path)] = cache.cache_notebook_file(str(executed), uri=str(path)).pk
+    for record in cache.list_unexecuted():  # a chapter whose cells changed since that run: run it
+        if record.uri in taken:
+            cache.remove_cache(taken.pop(record.uri))
+    if args.executed:
+        print(f"took {len(taken)} chapters as pytest executed them ({args.executed})")
     executor = load_executor("local-parallel", cache)
     result = executor.run_and_cache(timeout=args.timeout)
     failed = [Path(uri).name for uri in [*result.excepted, *result.errored]]
