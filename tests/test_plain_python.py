@@ -4,7 +4,9 @@ A plain GPU machine, Colab or a downloaded notebook has the package and what it 
 build tools (myst-nb, jupytext, nbformat, nbval, ...). Here each chapter runs as a plain Python script
 (`scripts/chapter_scripts.py`) with those tools made unimportable (`scripts/no_build_tools/sitecustomize.py`), in
 the profile of this run (CI: quick); and the CUDA tests must collect in the same setting, as
-`scripts/record_gpu.sh checks` runs them on a GPU machine.
+`scripts/record_gpu.sh checks` runs them on a GPU machine. The chapters whose notebooks run under "Run All" in a
+kernel without the build tools (tests/test_notebooks.py, the same cells in a reader's setting) are not run a
+second time here.
 """
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from chapter_scripts import NO_BUILD_TOOLS, chapter_env, run_one, write  # noqa: E402
 
+from test_notebooks import RUN_ALL  # noqa: E402
+
 from annotated_transformer.tangle import chapter_paths  # noqa: E402
 
 CHAPTERS = [path.stem for path in chapter_paths(ROOT) if path.read_text(encoding="utf-8").startswith("---")]
+PLAIN = [name for name in CHAPTERS if name not in RUN_ALL]
 
 
 def test_the_build_tools_are_unimportable_in_such_a_run():
@@ -40,7 +45,7 @@ def test_the_build_tools_are_unimportable_in_such_a_run():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chapter", CHAPTERS)
+@pytest.mark.parametrize("chapter", PLAIN)
 def test_chapter_runs_as_plain_python_without_the_build_tools(chapter, tmp_path):
     pytest.importorskip("jupytext")  # writing the script needs it; running it does not
     [script] = write(tmp_path, [chapter])
@@ -76,3 +81,7 @@ def test_glue_prints_outside_a_build_and_glues_inside_one(capsys, monkeypatch):
     glue("speed_ratio", 1.25)
     assert glued == [(("speed_ratio", 1.25), {"display": False})]
     assert capsys.readouterr().out == ""
+
+
+def test_every_chapter_runs_without_the_build_tools_here_or_under_run_all():
+    assert set(RUN_ALL) <= set(CHAPTERS) and len(PLAIN) == len(CHAPTERS) - len(RUN_ALL) > 0
