@@ -52,7 +52,8 @@ def end_positions(tokens):
 @pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_cache_equals_no_cache_with_padding(norm_first, cache, small_model):
-    for seed in range(3):
+    # the compiled step compiles again for every model (its weights are frozen in): one model is enough for it
+    for seed in range(1 if cache == "compiled" else 3):
         model = small_model(seed, norm_first)
         src, mask = padded_batch()
         cached, cached_lp = greedy_decode(model, src, mask, 20, START, END, return_log_probs=True, **CACHES[cache])
