@@ -10,6 +10,7 @@ the very runs it checked instead of running every chapter a second time.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from unittest import mock
 
@@ -70,6 +71,14 @@ def save_executed(notebook, items, target: Path) -> None:
         item.cell.outputs, item.cell.execution_count = item.test_outputs, count
     target.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(notebook, target)
+
+
+def pytest_configure(config):
+    """With pytest-xdist's ``-n``, one math thread per worker unless OMP_NUM_THREADS says otherwise, as `make test`
+    sets it: workers (and the chapters' kernels) that each start a thread per core fight over the cores, and the
+    book's many small models then run several times more slowly."""
+    if getattr(config.option, "numprocesses", None) and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the workers, started after this
 
 
 def pytest_addoption(parser):

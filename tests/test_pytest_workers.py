@@ -1,0 +1,34 @@
+"""The root conftest.py gives each pytest-xdist worker one math thread, as `make test` does, unless
+OMP_NUM_THREADS says otherwise: run directly with `pytest -n 2`, workers that each start a thread per core fight
+over the cores (the book's chapters of small models ran several times more slowly so on this 2-core machine)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = """\
+import os
+
+
+def test_threads():
+    print("OMP_NUM_THREADS =", os.environ.get("OMP_NUM_THREADS"))
+    assert os.environ.get("OMP_NUM_THREADS") == os.environ["EXPECTED_THREADS"]
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "1"), ("3", "3")])
+def test_xdist_workers_get_one_math_thread_unless_told_otherwise(tmp_path, given, expected):
+    pytest.importorskip("xdist")
+    shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_probe.py").write_text(PROBE)
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    env |= {"EXPECTED_THREADS": expected} | ({"OMP_NUM_THREADS": given} if given else {})
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider", "-q"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
