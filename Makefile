@@ -73,7 +73,7 @@ site: $(STAMP)
 	AT_REQUIRE_SITE=1 $(PY) -m pytest tests -m site
 
 # Unit tests and every chapter through nbval in one pytest run, the tangle check, the book build from the chapters
-# as that run executed them (none runs twice), the site check.
+# as that run executed them (none runs twice with the build tools), the site check.
 test: check
 	rm -rf _build/executed
 	$(PY) -m pytest tests book -n $(JOBS) --dist loadfile --nbval-lax --nbval-current-env -m "not site" \

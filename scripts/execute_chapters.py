@@ -8,7 +8,7 @@ that fails here is not cached, and the book build then runs it again and reports
 
 `--executed DIR` first caches the executed chapters that `pytest --save-executed DIR` wrote (every cell passed
 under nbval; `make test` does this), where a chapter's cells are still those of its source, and runs only the
-others: the book then shows the outputs of the runs its tests checked, and no chapter runs twice.
+others: the book then shows the outputs of the runs its tests checked, and no chapter runs twice with the tools.
 """
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ def test_decoding_benchmark_reports_every_method_batch_and_length() -> None:
 def test_batch_sizes_replace_the_decoding_sections() -> None:
     """`--batch-sizes` (one at a time, where a GPU loan is short) measures those batch sizes only."""
     results = run_benchmarks("cpu", smoke=True, sections=("decoding",), batch_sizes=(3,))
-    assert {row["batch"] for row in results["decoding"]} == {3}  # without it, the smoke sizes' (1, 4): the smoke test
+    assert {row["batch"] for row in results["decoding"]} == {3}  # without it (1, 4): see the smoke test
 
 
 def test_train_step_flops_is_six_times_weights_times_tokens() -> None:

@@ -84,4 +84,4 @@ def test_glue_prints_outside_a_build_and_glues_inside_one(capsys, monkeypatch):
 
 
 def test_every_chapter_runs_without_the_build_tools_here_or_under_run_all():
-    assert set(RUN_ALL) <= set(CHAPTERS) and len(PLAIN) == len(CHAPTERS) - len(RUN_ALL) > 0
+    assert set(RUN_ALL) <= set(CHAPTERS) and PLAIN  # a Run-All name that is no chapter would leave one unchecked
