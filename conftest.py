@@ -79,6 +79,29 @@ def pytest_configure(config):
     book's many small models then run several times more slowly."""
     if getattr(config.option, "numprocesses", None) and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the workers, started after this
+    # keep the order of pytest_collection_modifyitems below (pytest-xdist would sort the files by their size)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """In pytest-xdist's workers (``-n``) the files are handed out in this order: first the files of slow tests
+    (most slow tests first: the chapters run without the build tools), then the chapters (most cells first), then
+    the rest as collected. pytest-xdist's own order under ``--dist loadfile`` (most items first) sent the five
+    notebooks that run under Run All, 2.5 minutes of work in five items, near the end, where one worker ran them
+    alone."""
+    if not hasattr(config, "workerinput"):  # not a worker: the order does not matter
+        return
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def heavy_first(name):
+        slow = sum(item.get_closest_marker("slow") is not None for item in files[name])
+        chapter = IPyNbFile is not None and isinstance(files[name][0].parent, MystNotebookFile)
+        return (0, -slow) if slow else (1, -len(files[name])) if chapter else (2, 0)
+
+    items[:] = [item for name in sorted(files, key=heavy_first) for item in files[name]]
 
 
 def pytest_addoption(parser):
