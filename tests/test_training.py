@@ -295,10 +295,11 @@ def test_label_smoothing_closed_form_equals_the_matrix_form():
         assert LabelSmoothing(7, 0, eps)(log_probs, torch.tensor([2, 3, 0])).item() == math.inf
 
 
-def test_a_compiled_run_compiles_each_function_twice_whatever_the_number_of_batch_shapes(monkeypatch):
+def test_a_compiled_run_compiles_each_function_twice_and_once_more_for_a_batch_of_one(monkeypatch):
     """The trainer chapter's claim: the first shape compiles as it is, the second compiles one graph with symbolic
-    sizes that serves every later shape (six shapes here, dozens in a translation run): two graphs for the model,
-    two for the loss. A backend that only counts the graphs stands in for inductor."""
+    sizes that serves every later shape (eight shapes here, hundreds in a translation run), except a batch of one
+    sentence: a size of 1 is never a symbol, so the first such batch compiles once more, for all batches of one.
+    Three graphs for the model, three for the loss. A backend that only counts the graphs stands in for inductor."""
     graphs = []
 
     def backend(graph_module, example_inputs):
@@ -311,12 +312,21 @@ def test_a_compiled_run_compiles_each_function_twice_whatever_the_number_of_batc
     shapes = [(6, 7), (4, 9), (8, 5), (3, 11), (5, 6), (7, 8)]
     batches = [padded_batches(1, batch_size=b, length=t, seed=i)[0] for i, (b, t) in enumerate(shapes)]
     model = tiny_model(seed=6)
-    history = train(model, batches, steps=len(shapes), optimizer=make_optimizer(model),
-                    loss_fn=LabelSmoothing(11, 0, 0.1), compile=True, progress=False)
-    torch._dynamo.reset()
-    assert len({tuple(batch.src.shape) for batch in batches}) == 6
-    assert len(graphs) == 4, [graph.graph for graph in graphs]
-    assert len(history["seconds"]) == 6 and history["seconds"] == sorted(history["seconds"])
+
+    def run(batches):
+        return train(model, batches, steps=len(batches), optimizer=make_optimizer(model),
+                     loss_fn=LabelSmoothing(11, 0, 0.1), compile=True, progress=False)
+
+    try:
+        assert len({tuple(batch.src.shape) for batch in batches}) == 6
+        history = run(batches)
+        assert len(graphs) == 4, [graph.graph for graph in graphs]
+        assert len(history["seconds"]) == 6 and history["seconds"] == sorted(history["seconds"])
+        ones = [padded_batches(1, batch_size=1, length=t, seed=9 + t)[0] for t in (9, 6)]
+        run(batches[:1] + ones)  # the code compiled for the shapes above is kept
+        assert len(graphs) == 6, [graph.graph for graph in graphs[4:]]  # one more each, for both batches of one
+    finally:
+        torch._dynamo.reset()
 
 
 def test_a_compiled_run_on_a_cpu_draws_the_dropout_masks_of_an_eager_run(monkeypatch):
