@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from annotated_transformer.attention import attention
-from annotated_transformer.bench import DEFAULT_SECTIONS, SECTIONS, TABLES, run_benchmarks
+from annotated_transformer.bench import DEFAULT_SECTIONS, SECTIONS, TABLES, format_tables, run_benchmarks
 from annotated_transformer.layer_types import (
     LAYER_KINDS,
     RestrictedSelfAttention,
@@ -48,36 +48,49 @@ def headers(section: str) -> list[str]:
     return [column[0] for column in TABLES[section][1]]
 
 
+# The sections that the command below runs: the decoding section compiles its step for each batch size and length
+# (about 40 s of the smoke sizes on one thread here), which the tests of decoding_throughput below do in-process
+CHEAP_SECTIONS = ("training", "attention", "layers")
+
+
 def test_smoke_command_prints_every_table_and_saves_json(tmp_path) -> None:
     out = tmp_path / "results" / "smoke.json"
     result = subprocess.run(
         [sys.executable, "-m", "annotated_transformer", "bench", "--smoke", "--device", "cpu", "--threads", "1",
-         "--clock", "cpu", "--json", str(out)],
+         "--clock", "cpu", "--only", *CHEAP_SECTIONS, "--json", str(out)],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("device: cpu") and "dtype: float32" in lines[0] and torch.__version__ in lines[0]
     assert "cpu clock" in lines[0] and "smoke sizes" in lines[0]
-    for section in DEFAULT_SECTIONS:  # all but shapes, which runs on request
+    for section in CHEAP_SECTIONS:
         title = TABLES[section][0]
         assert title in lines, section
         header = lines[lines.index(title) + 1]
         assert header.split() == " ".join(headers(section)).split(), section
+    assert TABLES["decoding"][0] not in lines
     saved = json.loads(out.read_text())
     assert saved["meta"]["smoke"] is True and saved["meta"]["device"] == "cpu"
     assert saved["meta"]["threads"] == 1 and saved["meta"]["clock"] == "cpu"
     assert saved["meta"]["command"] == ("python -m annotated_transformer bench --smoke --device cpu --threads 1 "
-                                        f"--clock cpu --json {out}")
-    for section in DEFAULT_SECTIONS:
-        assert saved[section], section
-    assert "shapes" not in saved and set(SECTIONS) - set(DEFAULT_SECTIONS) == {"shapes"}
-    assert {row["method"] for row in saved["decoding"]} == set(DECODING_METHODS)
-    assert {row["batch"] for row in saved["decoding"]} == {1, 4}  # the smoke sizes, no --batch-sizes given
+                                        f"--clock cpu --only {' '.join(CHEAP_SECTIONS)} --json {out}")
+    assert set(saved) == {"meta", *CHEAP_SECTIONS}
     assert {row["kind"] for row in saved["layers"]} == set(LAYER_KINDS)
     row = saved["training"][0]
     assert row["ours_mfu"] is None and row["torch_mfu"] is None  # no peak is known for a CPU
     assert row["tokens"] == row["batch"] * row["tgt_len"]
+
+
+def test_the_command_runs_every_section_but_shapes_unless_told(monkeypatch) -> None:
+    import annotated_transformer.bench as bench
+    from annotated_transformer.cli import main
+
+    asked = []
+    monkeypatch.setattr(bench, "run", lambda **kwargs: asked.append(kwargs) or 0)
+    assert main(["bench", "--smoke"]) == 0 and main(["bench", "--only", "decoding", "shapes"]) == 0
+    assert [tuple(kwargs["sections"]) for kwargs in asked] == [DEFAULT_SECTIONS, ("decoding", "shapes")]
+    assert set(SECTIONS) - set(DEFAULT_SECTIONS) == {"shapes"}
 
 
 def test_command_line_refuses_a_missing_device_and_unknown_sections(capsys) -> None:
@@ -112,16 +125,27 @@ def test_module_script_hands_its_arguments_to_the_command_line() -> None:
 
 def test_decoding_benchmark_reports_every_method_batch_and_length() -> None:
     """Every method decodes at every batch size and output length, at positive rates, and each row gives its
-    speed-up over greedy decoding without the cache."""
+    speed-up over greedy decoding without the cache. The compiled methods, which compile again for each batch size
+    and length (seconds each here), at one of them; the benchmark appendix runs them at four."""
     config = dict(N=1, d_model=32, d_ff=64, h=2, vocab=50)
-    rows = decoding_throughput(config, batch_sizes=(1, 4), output_tokens=(3, 6), src_len=5, repeat=1)
-    assert [(row["method"], row["batch"], row["tokens"]) for row in rows] == [
-        (method, batch, tokens) for batch in (1, 4) for tokens in (3, 6) for method in DECODING_METHODS]
+    eager = tuple(method for method in DECODING_METHODS if not method.endswith("compiled"))
+    grid = decoding_throughput(config, batch_sizes=(1, 4), output_tokens=(3, 6), src_len=5, repeat=1, methods=eager)
+    assert [(row["method"], row["batch"], row["tokens"]) for row in grid] == [
+        (method, batch, tokens) for batch in (1, 4) for tokens in (3, 6) for method in eager]
+    every = decoding_throughput(config, batch_sizes=(4,), output_tokens=(3,), src_len=5, repeat=1)
+    assert [(row["method"], row["batch"], row["tokens"]) for row in every] == [
+        (method, 4, 3) for method in DECODING_METHODS]
+    rows = grid + every
     for row in rows:
         assert row["tokens_per_s"] > 0 and row["ms_per_step"] > 0 and row["max_len"] == row["tokens"] + 1
         assert row["speedup"] > 0
         assert row["tokens_per_s"] == pytest.approx(row["batch"] * 1e3 / row["ms_per_step"])
     assert all(row["speedup"] == 1.0 for row in rows if row["method"] == "greedy, no cache")
+    meta = dict(device="cpu", device_name="cpu", dtype="float32", torch=torch.__version__, date="today")
+    lines = format_tables(dict(meta=meta, decoding=rows)).splitlines()  # the command's table of them
+    title = TABLES["decoding"][0]
+    assert lines[lines.index(title) + 1].split() == " ".join(headers("decoding")).split()
+    assert len(lines) == lines.index(title) + 3 + len(rows)  # title, header, rule, a line per row
 
 
 def test_batch_sizes_replace_the_decoding_sections(monkeypatch) -> None:
