@@ -48,6 +48,15 @@ def headers(section: str) -> list[str]:
     return [column[0] for column in TABLES[section][1]]
 
 
+def assert_header_printed(lines: list[str], section: str) -> int:
+    """That ``section``'s table is among the printed ``lines``, under its title with its column headers; the index
+    of the title."""
+    title = TABLES[section][0]
+    assert title in lines, section
+    assert lines[lines.index(title) + 1].split() == " ".join(headers(section)).split(), section
+    return lines.index(title)
+
+
 # The sections that the command below runs: the decoding section compiles its step for each batch size and length
 # (about 40 s of the smoke sizes on one thread here), which the tests of decoding_throughput below do in-process
 CHEAP_SECTIONS = ("training", "attention", "layers")
@@ -65,10 +74,7 @@ def test_smoke_command_prints_every_table_and_saves_json(tmp_path) -> None:
     assert lines[0].startswith("device: cpu") and "dtype: float32" in lines[0] and torch.__version__ in lines[0]
     assert "cpu clock" in lines[0] and "smoke sizes" in lines[0]
     for section in CHEAP_SECTIONS:
-        title = TABLES[section][0]
-        assert title in lines, section
-        header = lines[lines.index(title) + 1]
-        assert header.split() == " ".join(headers(section)).split(), section
+        assert_header_printed(lines, section)
     assert TABLES["decoding"][0] not in lines
     saved = json.loads(out.read_text())
     assert saved["meta"]["smoke"] is True and saved["meta"]["device"] == "cpu"
@@ -143,9 +149,8 @@ def test_decoding_benchmark_reports_every_method_batch_and_length() -> None:
     assert all(row["speedup"] == 1.0 for row in rows if row["method"] == "greedy, no cache")
     meta = dict(device="cpu", device_name="cpu", dtype="float32", torch=torch.__version__, date="today")
     lines = format_tables(dict(meta=meta, decoding=rows)).splitlines()  # the command's table of them
-    title = TABLES["decoding"][0]
-    assert lines[lines.index(title) + 1].split() == " ".join(headers("decoding")).split()
-    assert len(lines) == lines.index(title) + 3 + len(rows)  # title, header, rule, a line per row
+    title = assert_header_printed(lines, "decoding")
+    assert len(lines) == title + 3 + len(rows)  # title, header, rule, a line per row
 
 
 def test_batch_sizes_replace_the_decoding_sections(monkeypatch) -> None:

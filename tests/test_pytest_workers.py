@@ -22,29 +22,34 @@ def test_threads():
 """
 
 
+def run_pytest(folder: Path, files: dict[str, str], *options: str, passed: int, env=None) -> str:
+    """pytest with pytest-xdist in ``folder``, holding the project's conftest.py and ``files``; its output, after
+    checking that ``passed`` tests passed."""
+    pytest.importorskip("xdist")
+    shutil.copy(ROOT / "conftest.py", folder / "conftest.py")
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    done = subprocess.run([sys.executable, "-m", "pytest", *options, "-p", "no:cacheprovider"],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and f"{passed} passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
+
+
 @pytest.mark.parametrize("given, expected", [(None, "1"), ("3", "3")])
 def test_xdist_workers_get_one_math_thread_unless_told_otherwise(tmp_path, given, expected):
-    pytest.importorskip("xdist")
-    shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_probe.py").write_text(PROBE)
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     env |= {"EXPECTED_THREADS": expected} | ({"OMP_NUM_THREADS": given} if given else {})
-    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider", "-q"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    run_pytest(tmp_path, {"test_probe.py": PROBE}, "-n", "2", "-q", passed=1, env=env)
 
 
 def test_xdist_workers_take_the_files_of_slow_tests_first(tmp_path):
     """Under `--dist loadfile` a file of slow tests goes first, whatever its size and place (conftest.py)."""
-    pytest.importorskip("xdist")
-    shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
-    (tmp_path / "test_a_many.py").write_text("".join(f"def test_quick_{i}():\n    pass\n\n\n" for i in range(5)))
-    (tmp_path / "test_b_few.py").write_text("import pytest\n\n\n@pytest.mark.slow\ndef test_slow():\n    pass\n")
-    (tmp_path / "test_c_one.py").write_text("def test_other():\n    pass\n")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "--dist", "loadfile", "-v",
-                           "-p", "no:cacheprovider"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "7 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
-    ran = [line.split()[-1] for line in done.stdout.splitlines() if line.startswith("[gw0]") and "PASSED" in line]
+    files = {
+        "pytest.ini": "[pytest]\nmarkers =\n    slow: slow\n",
+        "test_a_many.py": "".join(f"def test_quick_{i}():\n    pass\n\n\n" for i in range(5)),
+        "test_b_few.py": "import pytest\n\n\n@pytest.mark.slow\ndef test_slow():\n    pass\n",
+        "test_c_one.py": "def test_other():\n    pass\n",
+    }
+    out = run_pytest(tmp_path, files, "-n", "1", "--dist", "loadfile", "-v", passed=7)
+    ran = [line.split()[-1] for line in out.splitlines() if line.startswith("[gw0]") and "PASSED" in line]
     assert [name.split("::")[0] for name in ran] == ["test_b_few.py"] + 5 * ["test_a_many.py"] + ["test_c_one.py"]
