@@ -239,12 +239,14 @@ def check_target(target, size: int, padding_idx: int) -> None:
             )
 
 
-def rate(step: int, model_size: int, factor: float = 1.0, warmup: int = 4000) -> float:
+def rate(step: int, model_size: int, factor: float = 1.0, warmup: int = 4000, *,
+         total: int | None = None) -> float:
     """The learning rate of section 5.3, equation (3): linear warm-up, then inverse
     square root decay.
 
     ``factor * model_size**-0.5 * min(step**-0.5, step * warmup**-1.5)``; step 0 counts
-    as step 1.
+    as step 1. With ``total`` (not the paper's), the rate falls after the warm-up in a
+    straight line from the same peak to zero one step after ``total``, the last step.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -252,8 +254,13 @@ def rate(step: int, model_size: int, factor: float = 1.0, warmup: int = 4000) ->
         raise ValueError(
             f"model_size and warmup must be positive, got {model_size} and {warmup}"
         )
+    if total is not None and total <= warmup:
+        raise ValueError(f"total ({total}) must be above warmup ({warmup})")
     step = max(step, 1)
-    return factor * model_size ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    if total is None or step <= warmup:
+        return factor * model_size ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    left = max(total + 1 - step, 0) / (total + 1 - warmup)  # 1 at the peak
+    return factor * (model_size * warmup) ** -0.5 * left
 
 
 def make_optimizer(
@@ -285,11 +292,13 @@ def make_scheduler(
     *,
     factor: float = 1.0,
     warmup: int = 4000,
+    total: int | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR`` following :func:`rate`. The k-th optimiser step (k = 1, 2, ...) uses
     ``rate(k)``."""
     # validates the arguments now rather than at the first step
-    rate(1, model_size, factor, warmup)
+    rate(1, model_size, factor, warmup, total=total)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda index: rate(index + 1, model_size, factor, warmup)
+        optimizer,
+        lambda index: rate(index + 1, model_size, factor, warmup, total=total),
     )

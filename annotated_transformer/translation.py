@@ -69,6 +69,8 @@ class TranslationConfig:
     steps: int                 # optimiser steps in all
     warmup: int                # warm-up steps of the schedule, equation (3)
     factor: float              # the schedule's factor
+    # after the warm-up: "inverse_sqrt" (equation (3)) or "linear" (to zero at steps)
+    decay: str
     clip_norm: float | None    # clip the gradient norm to this (None: off)
     checkpoint_every: int      # a checkpoint every this many steps
     # the final model is the mean of the last this many checkpoints
@@ -112,6 +114,7 @@ POSITIVE = (
     "beam_size",
 )
 PROBABILITIES = ("dropout", "attention_dropout", "activation_dropout", "smoothing")
+DECAYS = ("inverse_sqrt", "linear")  # the schedule after its warm-up
 
 
 def check_settings(config: TranslationConfig) -> None:
@@ -135,6 +138,11 @@ def check_settings(config: TranslationConfig) -> None:
             f"embedding_init must be one of {EMBEDDING_INITS}, got "
             f"{config.embedding_init!r}"
         )
+    if config.decay not in DECAYS:
+        raise ValueError(f"decay must be one of {DECAYS}, got {config.decay!r}")
+    if config.decay == "linear" and config.steps <= config.warmup:
+        raise ValueError(f"a linear decay needs steps ({config.steps}) above warmup "
+                         f"({config.warmup})")
     if not 0 <= config.length_penalty <= MAX_ALPHA:  # beam search's range; not nan, inf
         raise ValueError(f"length_penalty must lie in [0, {MAX_ALPHA:g}], "
                          f"got {config.length_penalty!r}")
@@ -148,9 +156,9 @@ LAPTOP = TranslationConfig(
     vocab_size=8000, train_limit=None, max_len=100, N=3, d_model=256, d_ff=1024, h=4,
     dropout=0.2, attention_dropout=0.0, activation_dropout=0.0, norm_first=True,
     embedding_init="normal", smoothing=0.1, max_tokens=2048, accumulation_steps=1,
-    steps=3200, warmup=400, factor=0.5, clip_norm=None, checkpoint_every=100, average=5,
-    eval_every=300, valid_limit=None, test_limit=None, beam_size=4, length_penalty=0.6,
-    sweep=True, seed=0, profile="laptop",
+    steps=3200, warmup=400, factor=0.5, decay="inverse_sqrt", clip_norm=None,
+    checkpoint_every=100, average=5, eval_every=300, valid_limit=None, test_limit=None,
+    beam_size=4, length_penalty=0.6, sweep=True, seed=0, profile="laptop",
 )
 PROFILES = {
     # the same recipe, tiny: one layer of width 64, 1,000 pieces, 350 steps, no dropout,
@@ -353,17 +361,25 @@ def run_settings(config: TranslationConfig) -> dict:
 def resumed_checkpoint(folder: Path, resume: bool, config: TranslationConfig):
     """The newest intact checkpoint of ``folder`` for a resumed run (None if new), whose
     step ``config.steps`` must reach (``run_folder`` checked the settings)."""
-    _, checkpoint = load_latest_checkpoint(folder) if resume else (None, None)
+    path, checkpoint = load_latest_checkpoint(folder) if resume else (None, None)
     if checkpoint and checkpoint["step"] > config.steps:
         reached = checkpoint["step"]
         raise ValueError(f"steps ({config.steps}) is below the step that the run in "
                          f"{folder} reached ({reached}): resume with steps >= it")
+    # settings that a run's checkpoints lack are not compared; runs from before the
+    # decay setting used equation (3)
+    settings = (checkpoint or {}).get("extra", {}).get("settings", {})
+    older = checkpoint and "decay" not in settings
+    if path is not None and older and config.decay != "inverse_sqrt":
+        raise ValueError(f"{folder} holds a run with other settings ({path.name}): "
+                         f"decay (checkpoint 'inverse_sqrt', this run {config.decay!r})"
+                         "; resume with the same settings, or use another folder")
     return checkpoint
 
 
 def build_translator(config: TranslationConfig, vocab: int, device):
     """(model, optimizer, scheduler, loss_fn) of ``config``: tied embeddings, Adam,
-    equation (3), label smoothing."""
+    equation (3) or its linear decay, label smoothing."""
     model = make_model(
         vocab,
         vocab,
@@ -380,8 +396,8 @@ def build_translator(config: TranslationConfig, vocab: int, device):
     ).to(device)
     optimizer = make_optimizer(model)
     scheduler = make_scheduler(
-        optimizer, config.d_model, factor=config.factor, warmup=config.warmup
-    )
+        optimizer, config.d_model, factor=config.factor, warmup=config.warmup,
+        total=config.steps if config.decay == "linear" else None)
     return model, optimizer, scheduler, LabelSmoothing(vocab, PAD_ID, config.smoothing)
 
 

@@ -139,7 +139,7 @@ def test_train_help_lists_the_options_of_the_translation_task(capsys) -> None:
     assert "settings of --task multi30k; left out: the profile's values" in out
     for option in ("--vocab-size", "--train-limit", "--max-len", "--d-ff", "--heads", "--dropout",
                    "--attention-dropout", "--activation-dropout", "--norm-first, --no-norm-first",
-                   "--embedding-init {normal,xavier}", "--max-tokens", "--average", "--eval-every", "--valid-limit",
+                   "--embedding-init {normal,xavier}", "--decay {inverse_sqrt,linear}", "--max-tokens", "--average", "--eval-every", "--valid-limit",
                    "--test-limit", "--beam-size", "--length-penalty", "--sweep, --no-sweep", "--results"):
         assert option in out, option
 

@@ -258,6 +258,23 @@ def test_rate_matches_the_formula_and_peaks_at_warmup():
         rate(1, 512, 1.0, 0)
 
 
+def test_a_linear_decay_falls_from_the_same_peak_to_zero_after_the_last_step():
+    d, warmup, total = 256, 40, 200
+    for s in (1, 10, warmup):  # the warm-up is equation (3)'s
+        assert rate(s, d, 0.5, warmup, total=total) == rate(s, d, 0.5, warmup)
+    line = [rate(s, d, 0.5, warmup, total=total) for s in range(warmup, total + 2)]
+    assert all(b < a for a, b in zip(line, line[1:]))  # falling at every step
+    steps = [b - a for a, b in zip(line, line[1:])]
+    assert max(steps) == pytest.approx(min(steps))  # by the same amount: a line
+    assert line[-2] == pytest.approx(line[0] / (total + 1 - warmup)) and line[-2] > 0
+    assert line[-1] == 0.0 == rate(total + 50, d, 0.5, warmup, total=total)
+    with pytest.raises(ValueError, match=r"total \(40\) must be above warmup \(40\)"):
+        rate(1, d, 0.5, warmup, total=warmup)
+    with pytest.raises(ValueError, match="must be above warmup"):
+        make_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), d,
+                       warmup=warmup, total=warmup - 1)
+
+
 def test_fused_adam_is_adam():
     results = []
     for fused in (True, False):
@@ -463,6 +480,13 @@ def test_scheduler_gives_rate_k_to_the_kth_step():
         assert math.isclose(optimizer.param_groups[0]["lr"], rate(k, 64, 2.0, 10))
         optimizer.step()
         scheduler.step()
+    optimizer = make_optimizer(model)
+    scheduler = make_scheduler(optimizer, 64, factor=2.0, warmup=10, total=29)
+    for k in range(1, 31):
+        assert math.isclose(optimizer.param_groups[0]["lr"], rate(k, 64, 2.0, 10, total=29))
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0.0  # after the 29 steps and one more
 
 
 # Gradient accumulation --------------------------------------------------------------------------------------

@@ -101,9 +101,19 @@ def test_config_profiles_and_overrides():
         TranslationConfig(**dict(asdict(PROFILES["quick"]), smoothing=1.0))
     with pytest.raises(TypeError, match="max_tokens must be an int"):
         translation_config("quick", max_tokens=1000.0)
-    # the records keep the configuration as a dict with the same keys, in the same order
+    # the schedule after the warm-up: equation (3) in every profile, or a line to zero at steps
+    assert all(c.decay == "inverse_sqrt" for c in (quick, laptop, full))
+    assert translation_config("quick", decay="linear").decay == "linear"
+    with pytest.raises(ValueError, match=r"decay must be one of \('inverse_sqrt', 'linear'\), got 'cosine'"):
+        translation_config("quick", decay="cosine")
+    with pytest.raises(ValueError, match=r"a linear decay needs steps \(60\) above warmup \(60\)"):
+        translation_config("quick", decay="linear", steps=60)
+    assert translation_config("quick", steps=60).steps == 60  # equation (3) has no end
+    # the records keep the configuration as a dict with the same keys, in the same order; this one is older than
+    # the decay setting, and trained with equation (3)
     recorded = json.loads((ROOT / "book" / "results" / "multi30k-laptop.json").read_text())["config"]
-    assert list(asdict(laptop)) == list(recorded) and asdict(laptop) == recorded
+    expected = {key: value for key, value in asdict(laptop).items() if key != "decay"}
+    assert list(expected) == list(recorded) and expected == recorded
     assert translation_config("laptop", steps=400, average=1).changed() == ["average", "steps"]
 
 

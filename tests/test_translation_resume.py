@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from annotated_transformer import data
-from annotated_transformer.checkpoints import list_checkpoints, load_checkpoint
+from annotated_transformer.checkpoints import list_checkpoints, load_checkpoint, write_state
 from annotated_transformer.cli import main
 from annotated_transformer.data import checkpoint_tokenizer, tokenizer_digest
 from annotated_transformer.download import DATA_ENV
@@ -63,12 +63,13 @@ def test_step_checkpoints_record_the_settings_task_and_tokenizer(finished):
     assert {"factor", "warmup", "smoothing", "max_tokens", "seed", "train_limit", "vocab_size", "d_model",
             "N", "valid_limit"} <= set(settings)
     assert "steps" not in settings and "beam_size" not in settings        # a resume may raise steps, evaluate anew
+    assert settings["decay"] == "inverse_sqrt"
     assert digest == tokenizer_digest(trained["tokenizer"].processor)
 
 
 @pytest.mark.parametrize("changes", [dict(factor=1.0), dict(warmup=5), dict(smoothing=0.2), dict(max_tokens=700),
                                      dict(seed=1), dict(train_limit=1500), dict(vocab_size=400),
-                                     dict(d_ff=128, valid_limit=20)])
+                                     dict(d_ff=128, valid_limit=20), dict(decay="linear")])
 def test_a_resume_with_other_settings_is_refused_naming_each_difference(finished, tmp_path, monkeypatch, changes):
     from annotated_transformer import translation
 
@@ -82,6 +83,22 @@ def test_a_resume_with_other_settings_is_refused_naming_each_difference(finished
     for key, value in changes.items():
         assert f"{key} (checkpoint {before_settings[key]!r}, this run {value!r})" in str(error.value)
     assert untouched(folder) == before
+
+
+def test_a_folder_without_a_decay_setting_resumes_as_equation_3_and_refuses_a_linear_decay(finished, tmp_path):
+    folder = copy_of(finished, tmp_path)
+    for path in list_checkpoints(folder):  # as in the folders of runs from before the setting
+        checkpoint = load_checkpoint(path)
+        del checkpoint["extra"]["settings"]["decay"], checkpoint["checksum"]
+        write_state(path, checkpoint)
+    before = untouched(folder)
+    config = translation_config("quick", **dict(TINY, steps=30, decay="linear"))
+    with pytest.raises(ValueError, match=r"holds a run with other settings \(step_00000020.pt\): decay "
+                                         r"\(checkpoint 'inverse_sqrt', this run 'linear'\)"):
+        train_translator(config, folder, resume=True, **QUIET)
+    assert untouched(folder) == before
+    again = train_translator(translation_config("quick", **dict(TINY, steps=25)), folder, resume=True, **QUIET)
+    assert again["history"]["step"][-1] == 25
 
 
 def test_a_resume_with_fewer_steps_than_reached_is_refused(finished, tmp_path):
