@@ -246,7 +246,8 @@ def rate(step: int, model_size: int, factor: float = 1.0, warmup: int = 4000, *,
 
     ``factor * model_size**-0.5 * min(step**-0.5, step * warmup**-1.5)``; step 0 counts
     as step 1. With ``total`` (not the paper's), the rate falls after the warm-up in a
-    straight line from the same peak to zero one step after ``total``, the last step.
+    straight line from the same peak to zero one step after step ``total``, the run's
+    last step, which still learns.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
