@@ -418,6 +418,7 @@ def check_run_folder(
     config: dict | None,
     *,
     resume: bool | str | os.PathLike = False,
+    older: dict | None = None,
 ) -> Path:
     """Check that ``directory`` is a writable folder (``config`` None: only that),
     without a run's files for a new run, or agreeing with ``config`` when resumed."""
@@ -458,7 +459,8 @@ def check_run_folder(
     if path is None or checkpoint is None:  # another process removed them meanwhile
         raise FileNotFoundError(f"the checkpoints of {folder} were removed while it "
                                 "was being checked")
-    stored = {**checkpoint["config"], **(checkpoint["extra"] or {}).get("settings", {})}
+    stored = {**(older or {}),  # the values of settings that older checkpoints lack
+              **checkpoint["config"], **(checkpoint["extra"] or {}).get("settings", {})}
     if keys := [
         key
         for key in config_difference(stored, config)
@@ -503,13 +505,15 @@ def take_lock(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def run_folder(directory, config: dict, *, resume=False, hold: bool = True):
+def run_folder(directory, config: dict, *, resume=False, hold: bool = True,
+               older: dict | None = None):
     """Hold ``directory`` (None: none) while the block runs; yield it: locked, checked,
     cleaned (take_lock, check_run_folder, clean_leftovers); ``hold=False``: checked."""
     folder = None if directory is None else check_run_folder(directory, None)
     handle = take_lock(folder / LOCK_FILE) if folder and hold and fcntl else None
     try:
-        if folder and check_run_folder(folder, config, resume=resume) and hold:
+        if folder and check_run_folder(folder, config, resume=resume,
+                                       older=older) and hold:
             clean_leftovers(folder)  # only now: a refused run changes nothing
         yield folder
     finally:

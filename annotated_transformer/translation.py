@@ -312,7 +312,8 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
             f"no training pair is at most max_len={config.max_len} pieces long"
         )
     batches = EpochBatches(train_examples, config.max_tokens, seed=config.seed)
-    with run_folder(checkpoint_dir, run_settings(config), resume=resume) as folder:
+    with run_folder(checkpoint_dir, run_settings(config), resume=resume,
+                    older=OLDER_SETTINGS) as folder:
         checkpoint = resumed_checkpoint(folder, resume, config)
         keep_tokenizer(folder, tokenizer, checkpoint, log=log)
         warn_long_warmup(config)
@@ -349,6 +350,8 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
 
 
 UNRECORDED = ("steps", "test_limit", "beam_size", "length_penalty", "sweep", "profile")
+# settings newer than some run folders, with the value that those runs used
+OLDER_SETTINGS = {"decay": "inverse_sqrt"}
 
 
 def run_settings(config: TranslationConfig) -> dict:
@@ -361,19 +364,11 @@ def run_settings(config: TranslationConfig) -> dict:
 def resumed_checkpoint(folder: Path, resume: bool, config: TranslationConfig):
     """The newest intact checkpoint of ``folder`` for a resumed run (None if new), whose
     step ``config.steps`` must reach (``run_folder`` checked the settings)."""
-    path, checkpoint = load_latest_checkpoint(folder) if resume else (None, None)
+    _, checkpoint = load_latest_checkpoint(folder) if resume else (None, None)
     if checkpoint and checkpoint["step"] > config.steps:
         reached = checkpoint["step"]
         raise ValueError(f"steps ({config.steps}) is below the step that the run in "
                          f"{folder} reached ({reached}): resume with steps >= it")
-    # settings that a run's checkpoints lack are not compared; runs from before the
-    # decay setting used equation (3)
-    settings = (checkpoint or {}).get("extra", {}).get("settings", {})
-    older = checkpoint and "decay" not in settings
-    if path is not None and older and config.decay != "inverse_sqrt":
-        raise ValueError(f"{folder} holds a run with other settings ({path.name}): "
-                         f"decay (checkpoint 'inverse_sqrt', this run {config.decay!r})"
-                         "; resume with the same settings, or use another folder")
     return checkpoint
 
 
