@@ -384,6 +384,10 @@ def add_translation_train_options(parser) -> None:
         help="the embedding table's initialisation: N(0, 1/d_model) or Xavier",
     )
     group.add_argument(
+        "--minutes", type=positive_number,
+        help="stop training sooner, at the step where it has taken this many minutes "
+        "(evaluation left out); --steps stays the most it takes")
+    group.add_argument(
         "--decay", choices=Choices("translation", "DECAYS"),
         help="the learning rate after the warm-up: equation (3)'s inverse square root, "
         "or a straight line to zero at --steps")

@@ -299,13 +299,15 @@ def train(
     extra: dict | None = None,
     evaluate: Callable[[int], object] | None = None,
     eval_every: int = 0,
+    time_limit: float | None = None,
 ) -> dict:
     """Train ``model`` for ``steps`` optimiser steps; return the history (per step: loss
     and ``nll`` per token, lr, tokens, training seconds so far). Micro-batch ``i`` is
     ``batches(i)`` (or ``batches[i % len(batches)]``). ``evaluate(step)`` runs every
     ``eval_every`` steps, and a checkpoint is written every ``checkpoint_every`` steps,
     both also at the end; Ctrl-C or SIGTERM ends the step, saves it and raises
-    ``Interrupted``."""
+    ``Interrupted``. With ``time_limit``, the end comes sooner if the training seconds
+    (a resumed run's included) reach it: the step that reaches it is the last."""
     get_batch = check_training(
         batches,
         steps=steps,
@@ -314,6 +316,7 @@ def train(
         resume=resume,
         checkpoint_dir=checkpoint_dir,
         eval_every=eval_every,
+        time_limit=time_limit,
     )
     device = next(model.parameters()).device if device is None else get_device(device)
     precision = choose_precision(device, amp)
@@ -326,6 +329,8 @@ def train(
     history = history or {key: [] for key in HISTORY}
     for key in HISTORY:  # a run saved before the key existed has no values for it
         history.setdefault(key, [None] * len(history["step"]))
+    if resume and time_limit is not None and seconds_before >= time_limit:
+        steps = start  # a resumed run whose time is spent: no more steps
     net, loss_fn = for_training(model, device, loss_fn, compile=compile)
     note = f"precision: {precision}"  # printed above the run's own progress bar
     settings = compile_settings(device) if compile else contextlib.nullcontext()
@@ -358,10 +363,11 @@ def train(
             values = (step + 1, loss, nll, lr, tokens, seconds)
             for key, value in zip(HISTORY, values, strict=True):
                 history[key].append(value)
-            bar.update(loss, lr, tokens, last=step + 1 == steps)
-            if evaluate is not None and due(step + 1, eval_every, steps):
+            last = step + 1 == steps or out_of_time(seconds, time_limit, device)
+            bar.update(loss, lr, tokens, last=last)
+            if evaluate is not None and (last or due(step + 1, eval_every, steps)):
                 started += timed(evaluate, step + 1)  # not training time
-            saving = due(step + 1, checkpoint_every, steps) or stop
+            saving = last or due(step + 1, checkpoint_every, steps) or stop
             if checkpoint_dir is not None and saving:
                 write_checkpoint(checkpoint_dir, step + 1, model=model,
                                  optimizer=optimizer, scheduler=scheduler,
@@ -371,6 +377,8 @@ def train(
             if stop:
                 writer.wait()  # the checkpoint that the message names is written
                 stopped(stop[0], step + 1, checkpoint_dir)
+            if last:
+                break
     return history
 
 
@@ -380,10 +388,15 @@ HISTORY = ("step", "loss", "nll", "lr", "tokens", "seconds")
 
 
 def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resume,
-                   checkpoint_dir, eval_every=0):
+                   checkpoint_dir, eval_every=0, time_limit=None):
     """Refuse impossible arguments of ``train``; return micro-batch ``i`` as f(i)."""
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
+    if time_limit is not None and not (  # a bool is no number of seconds; not nan
+        isinstance(time_limit, (int, float)) and not isinstance(time_limit, bool)
+        and time_limit >= 0
+    ):
+        raise ValueError(f"time_limit must be seconds >= 0 or None, got {time_limit!r}")
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(
             f"accumulation_steps must be a positive integer, got {accumulation_steps!r}"
@@ -445,6 +458,18 @@ def timed(function: Callable, *args) -> float:
 def due(step: int, every: int, steps: int) -> bool:
     """Whether a thing done every ``every`` steps (0: at the end) is due at ``step``."""
     return step == steps or bool(every and step % every == 0)
+
+
+def out_of_time(seconds: float, time_limit: float | None, device) -> bool:
+    """Whether a run with a ``time_limit`` has trained that many ``seconds``. In a
+    group, the first process's clock decides for all, so that they stop together."""
+    if time_limit is None:
+        return False
+    if distributed_context()[1] == 1:
+        return seconds >= time_limit
+    over = torch.tensor([float(seconds >= time_limit)], device=device)
+    dist.broadcast(over, src=0)
+    return bool(over.item())
 
 
 def stopped(signum: int, step: int, checkpoint_dir) -> None:

@@ -67,6 +67,8 @@ class TranslationConfig:
     max_tokens: int            # padded tokens per side in a micro-batch
     accumulation_steps: int    # micro-batches per optimiser step
     steps: int                 # optimiser steps in all
+    # stop sooner when training has taken this many minutes (None: no limit)
+    minutes: float | None
     warmup: int                # warm-up steps of the schedule, equation (3)
     factor: float              # the schedule's factor
     # after the warm-up: "inverse_sqrt" (equation (3)) or "linear" (to zero at steps)
@@ -140,6 +142,10 @@ def check_settings(config: TranslationConfig) -> None:
         )
     if config.decay not in DECAYS:
         raise ValueError(f"decay must be one of {DECAYS}, got {config.decay!r}")
+    minutes = config.minutes  # a bool is no number; nan, inf and 0 are no budget
+    if minutes is not None and (isinstance(minutes, bool) or not (
+            isinstance(minutes, (int, float)) and 0 < minutes < math.inf)):
+        raise ValueError(f"minutes must be a positive number, got {minutes!r}")
     if config.decay == "linear" and config.steps <= config.warmup:
         raise ValueError(f"a linear decay needs steps ({config.steps}) above warmup "
                          f"({config.warmup})")
@@ -156,9 +162,10 @@ LAPTOP = TranslationConfig(
     vocab_size=8000, train_limit=None, max_len=100, N=3, d_model=256, d_ff=1024, h=4,
     dropout=0.2, attention_dropout=0.0, activation_dropout=0.0, norm_first=True,
     embedding_init="normal", smoothing=0.1, max_tokens=2048, accumulation_steps=1,
-    steps=3200, warmup=400, factor=0.5, decay="inverse_sqrt", clip_norm=None,
-    checkpoint_every=100, average=5, eval_every=300, valid_limit=None, test_limit=None,
-    beam_size=4, length_penalty=0.6, sweep=True, seed=0, profile="laptop",
+    steps=3200, minutes=None, warmup=400, factor=0.5, decay="inverse_sqrt",
+    clip_norm=None, checkpoint_every=100, average=5, eval_every=300, valid_limit=None,
+    test_limit=None, beam_size=4, length_penalty=0.6, sweep=True, seed=0,
+    profile="laptop",
 )
 PROFILES = {
     # the same recipe, tiny: one layer of width 64, 1,000 pieces, 350 steps, no dropout,
@@ -332,7 +339,7 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
         averaged = average_last_checkpoints(model, folder, valid_examples, config,
                                             log=log)
         path = save_translator(folder / "average.pt", model, tokenizer,
-                               step=config.steps, extra={
+                               step=history["step"][-1], extra={
                                    "averaged": averaged["averaged"], "history": history,
                                    "valid": valid, "precision": precision.name})
     return dict(
@@ -349,14 +356,15 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
     )
 
 
-UNRECORDED = ("steps", "test_limit", "beam_size", "length_penalty", "sweep", "profile")
+UNRECORDED = ("steps", "minutes", "test_limit", "beam_size", "length_penalty", "sweep",
+              "profile")
 # settings newer than some run folders, with the value that those runs used
 OLDER_SETTINGS = {"decay": "inverse_sqrt"}
 
 
 def run_settings(config: TranslationConfig) -> dict:
     """The settings that make a run's checkpoints what they are: all but those of its
-    final evaluation and ``steps``, which a resumed run may raise."""
+    final evaluation and ``steps`` and ``minutes``, which a resumed run may raise."""
     return {key: value for key, value in asdict(config).items()
             if key not in UNRECORDED}
 
@@ -451,8 +459,9 @@ def train_with_validation(model: nn.Module, batches, valid_examples,
                     amp=amp, compile=compile, checkpoint_dir=folder,
                     checkpoint_every=config.checkpoint_every, keep_last=config.average,
                     resume=done > 0, progress=bar if progress else False,
-                    evaluate=evaluate, eval_every=every,
-                    extra={**(extra or {}), "valid": valid}, **training)
+                    evaluate=evaluate, eval_every=every, time_limit=config.minutes
+                    and config.minutes * 60, extra={**(extra or {}), "valid": valid},
+                    **training)
     bar.close()
     before = (checkpoint or {}).get("extra", {}).get("train_seconds", 0.0)
     return history, valid, before + time.perf_counter() - started - sum(validating)

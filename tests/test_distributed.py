@@ -31,7 +31,7 @@ def batches():
     return out
 
 
-def run(checkpoint_dir=None):
+def run(checkpoint_dir=None, time_limit=None):
     torch.manual_seed(0)
     model = make_model(**CONFIG).double()
     # SGD: the update is proportional to the gradient, so equal weights mean equal gradients.
@@ -39,17 +39,17 @@ def run(checkpoint_dir=None):
     scheduler = make_scheduler(optimizer, 16, warmup=2)
     history = train(model, batches(), steps=STEPS, optimizer=optimizer, scheduler=scheduler,
                     loss_fn=LabelSmoothing(11, 0, 0.1), accumulation_steps=2, device="cpu",
-                    checkpoint_dir=checkpoint_dir, progress=False)
+                    checkpoint_dir=checkpoint_dir, progress=False, time_limit=time_limit)
     return model, history
 
 
-def worker(rank, world, port, folder):
+def worker(rank, world, port, folder, limits=(None, None)):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model, history = run(checkpoint_dir=folder)
+        model, history = run(checkpoint_dir=folder, time_limit=limits[rank])
         torch.save({"state": model.state_dict(), "loss": history["loss"]}, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -73,3 +73,14 @@ def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
         assert torch.allclose(torch.tensor(result["loss"]), torch.tensor(history["loss"]), rtol=1e-12)
     checkpoint = load_checkpoint(latest_checkpoint(tmp_path))
     assert checkpoint["step"] == STEPS and len(checkpoint["rng"]) == 2  # one generator state per process
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_the_first_process_clock_ends_a_time_limited_run_for_both(tmp_path):
+    # rank 0 is out of time after its first step, rank 1 never: both must stop there (a rank that went on alone
+    # would wait for the other in its next all-reduce, and the test would hang)
+    mp.spawn(worker, args=(2, free_port(), str(tmp_path), (0.0, float("inf"))), nprocs=2, join=True)
+    reference, history = run(time_limit=0.0)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert len(history["loss"]) == 1 and all(len(result["loss"]) == 1 for result in results)
+    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 1

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -524,6 +525,9 @@ def test_train_rejects_bad_arguments(tmp_path):
         train(model, padded_batches(1), steps=-1, **kwargs)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(model, padded_batches(1), steps=1, checkpoint_dir=tmp_path, resume=True, **kwargs)
+    for bad in (-1.0, float("nan"), True, "60"):
+        with pytest.raises(ValueError, match=r"time_limit must be seconds >= 0 or None, got "):
+            train(model, padded_batches(1), steps=1, time_limit=bad, **kwargs)
 
 
 # Checkpoints ------------------------------------------------------------------------------------------------
@@ -535,7 +539,8 @@ def copy_data(seed=0, batch_size=8, seq_len=6):
     return batch
 
 
-def run(steps, checkpoint_dir=None, resume=False, crash_at=None, seed=0):
+def run(steps, checkpoint_dir=None, resume=False, crash_at=None, seed=0, time_limit=None, evaluate=None,
+        sleep=0.0):
     model = tiny_model(seed=seed, dropout=0.1)  # dropout: the random number generators must be restored too
     optimizer = make_optimizer(model)
     scheduler = make_scheduler(optimizer, 16, warmup=3)
@@ -544,12 +549,34 @@ def run(steps, checkpoint_dir=None, resume=False, crash_at=None, seed=0):
     def batches(index):
         if crash_at is not None and index == crash_at:
             raise KeyboardInterrupt("simulated crash")
+        time.sleep(sleep)
         return data(index)
 
     history = train(model, batches, steps=steps, optimizer=optimizer, scheduler=scheduler,
                     loss_fn=LabelSmoothing(11, 0, 0.1), accumulation_steps=2, checkpoint_dir=checkpoint_dir,
-                    checkpoint_every=2, resume=resume, progress=False)
+                    checkpoint_every=2, resume=resume, progress=False, time_limit=time_limit,
+                    evaluate=evaluate, eval_every=2)
     return model, history
+
+
+def test_a_time_limit_ends_the_run_at_the_step_that_reaches_it(tmp_path):
+    evaluated = []
+    torch.manual_seed(123)
+    # each step makes its two micro-batches, each after a sleep of 0.06 s: the third step reaches 0.25 s at the latest
+    limited, history = run(6, tmp_path, time_limit=0.25, evaluate=evaluated.append, sleep=0.06)
+    reached, seconds = history["step"][-1], history["seconds"]
+    assert reached <= 3 and seconds[-1] >= 0.25 and all(s < 0.25 for s in seconds[:-1])
+    assert evaluated == sorted({*[2][:reached // 2], reached})  # due every 2 steps, and at the last
+    assert list_checkpoints(tmp_path)[-1].name == f"step_{reached:08d}.pt"  # saved, although not due
+    torch.manual_seed(123)
+    reference, _ = run(reached)
+    for (name, a), b in zip(reference.state_dict().items(), limited.state_dict().values()):
+        assert torch.equal(a, b), name  # the longer run cut short
+    # resumed with its time spent, it takes no step; with more time, it goes on to the end
+    _, spent = run(6, tmp_path, resume=True, time_limit=0.25)
+    assert spent["step"] == history["step"]
+    _, more = run(6, tmp_path, resume=True, time_limit=100.0)
+    assert more["step"] == [1, 2, 3, 4, 5, 6]
 
 
 def test_resume_after_a_crash_is_bit_for_bit(tmp_path):

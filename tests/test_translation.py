@@ -28,7 +28,7 @@ from annotated_transformer.model import make_model
 from annotated_transformer.records import bleu_bootstrap, record_experiment, thin
 from annotated_transformer.translation import (
     PROFILES, SentencePieces, TranslationConfig, bleu, checkpoint_tokenizer, load_translator, train_translator,
-    translation_config,
+    run_settings, translation_config,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,10 +109,15 @@ def test_config_profiles_and_overrides():
     with pytest.raises(ValueError, match=r"a linear decay needs steps \(60\) above warmup \(60\)"):
         translation_config("quick", decay="linear", steps=60)
     assert translation_config("quick", steps=60).steps == 60  # equation (3) has no end
+    assert translation_config("quick", minutes=2.5).minutes == 2.5 and translation_config("quick").minutes is None
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "40"):
+        with pytest.raises(ValueError, match="minutes must be a positive number, got "):
+            translation_config("quick", minutes=bad)
+    assert "minutes" not in run_settings(translation_config("quick", minutes=1.0))  # a resume may change it
     # the records keep the configuration as a dict with the same keys, in the same order; this one is older than
-    # the decay setting, and trained with equation (3)
+    # the decay and minutes settings, and trained with equation (3), without a time limit
     recorded = json.loads((ROOT / "book" / "results" / "multi30k-laptop.json").read_text())["config"]
-    expected = {key: value for key, value in asdict(laptop).items() if key != "decay"}
+    expected = {key: value for key, value in asdict(laptop).items() if key not in ("decay", "minutes")}
     assert list(expected) == list(recorded) and expected == recorded
     assert translation_config("laptop", steps=400, average=1).changed() == ["average", "steps"]
 
@@ -310,8 +315,10 @@ def test_command_line_train_and_evaluate(environment, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "test2016 BLEU (greedy)" in out and "nrefs:1|case:mixed" in out and "average.pt" in out
     assert json.loads((tmp_path / "r.json").read_text())["config"]["steps"] == 10
+    # a time limit that the first step reaches: the run ends there, evaluated and averaged (the one checkpoint)
     args = parser.parse_args(["train", "--task", "multi30k", "--profile", "quick", *options, "--no-norm-first",
                               "--embedding-init", "xavier", "--attention-dropout", "0.1", "--activation-dropout", "0.05",
+                              "--minutes", "1e-6",
                               "--checkpoint-dir", str(tmp_path / "post"), "--results", str(tmp_path / "post.json")])
     config = translation_config_from_args(args)
     assert config.norm_first is False and config.embedding_init == "xavier"
@@ -319,6 +326,10 @@ def test_command_line_train_and_evaluate(environment, tmp_path, capsys):
     capsys.readouterr()
     recorded = json.loads((tmp_path / "post.json").read_text())
     assert recorded["config"]["norm_first"] is False and "norm_first" in recorded["changed"]
+    assert recorded["config"]["minutes"] == 1e-6 and "minutes" in recorded["changed"]
+    assert recorded["history"]["step"] == [1] and recorded["valid"]["step"] == [1]
+    assert recorded["averaged"] == ["step_00000001.pt"]
+    assert load_checkpoint(tmp_path / "post" / "average.pt")["step"] == 1
     model_config = load_checkpoint(tmp_path / "post" / "average.pt")["config"]
     assert model_config["norm_first"] is False and model_config["embedding_init"] == "xavier"
     assert model_config["attention_dropout"] == 0.1 and model_config["activation_dropout"] == 0.05
