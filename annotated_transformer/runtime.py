@@ -296,10 +296,10 @@ def check_module(name: str, value) -> None:
         raise TypeError(f"{name} must be an nn.Module, got {type(value).__name__}")
 
 
-def check_settings(config, *, positive, probabilities) -> None:
+def check_settings(config, *, positive, probabilities, numbers=()) -> None:
     """The checks every task's configuration shares, each error naming its setting:
     positive sizes, probabilities in [0, 1), ``d_model`` divisible by ``h``, a positive
-    finite ``factor`` and ``clip_norm`` (or None), a seed."""
+    finite ``factor``, ``clip_norm`` and each of ``numbers`` (or None), a seed."""
     for name in positive:
         check_size(name, getattr(config, name))
     for name in probabilities:
@@ -308,9 +308,10 @@ def check_settings(config, *, positive, probabilities) -> None:
     if config.d_model % config.h:
         raise ValueError(f"d_model ({config.d_model}) must be divisible by h "
                          f"({config.h})")
-    for name in ("factor", "clip_norm"):
+    for name in ("factor", "clip_norm", *numbers):  # a bool or a str is no number
         value = getattr(config, name)
-        if value is not None and not (math.isfinite(value) and value > 0):
+        if value is not None and (isinstance(value, bool) or not (isinstance(
+                value, (int, float)) and math.isfinite(value) and value > 0)):
             raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     seed = config.seed
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:

@@ -127,9 +127,8 @@ def check_settings(config: TranslationConfig) -> None:
         for name in ("train_limit", "valid_limit", "test_limit")
         if getattr(config, name) is not None
     ]
-    check_shared_settings(
-        config, positive=[*POSITIVE, *limits], probabilities=PROBABILITIES
-    )
+    check_shared_settings(config, positive=[*POSITIVE, *limits],
+                          probabilities=PROBABILITIES, numbers=["minutes"])
     for name in ("norm_first", "sweep"):
         if not isinstance(getattr(config, name), bool):
             raise TypeError(
@@ -142,10 +141,6 @@ def check_settings(config: TranslationConfig) -> None:
         )
     if config.decay not in DECAYS:
         raise ValueError(f"decay must be one of {DECAYS}, got {config.decay!r}")
-    minutes = config.minutes  # a bool is no number; nan, inf and 0 are no budget
-    if minutes is not None and (isinstance(minutes, bool) or not (
-            isinstance(minutes, (int, float)) and 0 < minutes < math.inf)):
-        raise ValueError(f"minutes must be a positive number, got {minutes!r}")
     if config.decay == "linear" and config.steps <= config.warmup:
         raise ValueError(f"a linear decay needs steps ({config.steps}) above warmup "
                          f"({config.warmup})")

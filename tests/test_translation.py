@@ -111,8 +111,11 @@ def test_config_profiles_and_overrides():
     assert translation_config("quick", steps=60).steps == 60  # equation (3) has no end
     assert translation_config("quick", minutes=2.5).minutes == 2.5 and translation_config("quick").minutes is None
     for bad in (0, -1.0, float("nan"), float("inf"), True, "40"):
-        with pytest.raises(ValueError, match="minutes must be a positive number, got "):
+        with pytest.raises(ValueError, match="minutes must be a positive finite number, got "):
             translation_config("quick", minutes=bad)
+    for bad in (True, "0.5", float("nan"), 0):  # the check that minutes shares with factor
+        with pytest.raises(ValueError, match="factor must be a positive finite number, got "):
+            translation_config("quick", factor=bad)
     assert "minutes" not in run_settings(translation_config("quick", minutes=1.0))  # a resume may change it
     # the records keep the configuration as a dict with the same keys, in the same order; this one is older than
     # the decay and minutes settings, and trained with equation (3), without a time limit
