@@ -301,9 +301,11 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
     ``checkpoint_dir``.
 
     Returns a dict: the averaged model (eval mode), its tokenizer, the training history,
-    the validation curve and losses, the checkpoint ``average.pt``, the parameter count
-    and the training seconds (summed over resumed runs). ``amp`` is the precision (the
-    runtime's ``choose_precision``: by the device); ``compile`` is ``train``'s.
+    the validation curve and losses, the validation set's target tokens (the count its
+    losses are means over), the checkpoint ``average.pt``, the parameter count, the
+    training seconds (summed over resumed runs) and ``compiled``. ``amp`` is the
+    precision (the runtime's ``choose_precision``: by the device); ``compile`` is
+    ``train``'s.
     """
     device = get_device(device)
     precision = choose_precision(device, amp)  # a refusal comes before any work
@@ -345,7 +347,9 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
         checkpoint=path,
         precision=precision.name,
         train_examples=len(train_examples),
+        valid_tokens=sum(len(target) - 1 for _, target in valid_examples),
         train_seconds=seconds,
+        compiled=compile,
         parameters=sum(p.numel() for p in model.parameters()),
         **averaged,
     )

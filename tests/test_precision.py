@@ -369,9 +369,34 @@ def test_a_translation_record_and_its_checkpoints_name_the_precision(tmp_path, m
     assert "precision: fp32 on cpu (the default on cpu)" in lines
     assert record["precision"] == trained["precision"] == "fp32"
     assert json.loads((tmp_path / "r.json").read_text())["precision"] == "fp32"
+    assert record["compiled"] is trained["compiled"] is False  # no --compile
+    # the target tokens the validation losses are means over: each sentence's pieces, then </s>
+    from annotated_transformer.data import load_split
+    valid = load_split("valid")[: config.valid_limit]
+    expected = sum(len(trained["tokenizer"].encode(target)) for _, target in valid)  # </s> included
+    assert record["valid_tokens"] == expected > len(valid)
     for name in ("average.pt", "step_00000004.pt"):
         assert load_checkpoint(tmp_path / "run" / name)["extra"]["precision"] == "fp32"
 
+
+
+@pytest.mark.skipif(not (DATA / "train.de.gz").exists(), reason="the Multi30k files are not available")
+def test_a_compiled_translation_run_says_so(tmp_path, monkeypatch):
+    """compile=True reaches train's torch.compile (here a stand-in that counts and returns what it is given, so
+    that the test costs no compiling), and what train_translator returns, the record's source, says so."""
+    from annotated_transformer.translation import train_translator, translation_config
+
+    monkeypatch.setenv("ANNOTATED_TRANSFORMER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ANNOTATED_TRANSFORMER_DATA", str(DATA))
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: compiled.append(fn) or fn)
+    torch.set_num_threads(1)
+    config = translation_config("quick", vocab_size=300, train_limit=1000, max_len=16, N=1, d_model=16, d_ff=32,
+                                h=2, max_tokens=300, steps=2, warmup=2, checkpoint_every=2, average=1,
+                                eval_every=2, valid_limit=10)
+    trained = train_translator(config, tmp_path / "run", device="cpu", compile=True, progress=False,
+                               log=lambda line: None)
+    assert trained["compiled"] is True and len(compiled) == 2  # the model and the loss
 
 # On a GPU -------------------------------------------------------------------------------------------------------
 
