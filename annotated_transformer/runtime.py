@@ -29,11 +29,9 @@ PROFILES = ("quick", "full")
 
 def get_profile(value: str | None = None) -> str:
     """Return the active profile: ``"quick"`` (small sizes, a laptop CPU) or ``"full"``
-    (the real sizes, a GPU).
-
-    ``value``, if given, or else the environment variable ``AT_PROFILE`` must be
-    ``quick``, ``full`` or ``auto`` (in any case; an unset or empty variable means
-    ``auto``). ``auto`` resolves to ``full`` when CUDA is available and to ``quick``
+    (the real sizes, a GPU). ``value``, if given, or else the environment variable
+    ``AT_PROFILE`` must be ``quick``, ``full`` or ``auto`` (in any case; unset or empty
+    means ``auto``), and ``auto`` is ``full`` when CUDA is available and ``quick``
     otherwise. Any other value raises ``ValueError``."""
     raw = value if value is not None else (os.environ.get("AT_PROFILE") or "auto")
     name = str(raw).strip().lower()
@@ -53,13 +51,11 @@ def by_profile(quick, full, profile: str | None = None):
 
 
 def get_device(name: str | torch.device | None = None) -> torch.device:
-    """Return the device to compute on.
-
-    ``name``, if given, or else the environment variable ``AT_DEVICE`` names a PyTorch
-    device (``cpu``, ``cuda``, ``cuda:1``, ``mps``; in any case) or is ``auto``.
-    ``auto``, an unset or an empty variable mean: CUDA if available, then Apple MPS,
-    then the CPU. Asking for a device this machine lacks, or one the book does not run
-    on (xpu, hpu, meta), raises ValueError."""
+    """Return the device to compute on: ``name``, if given, or else the environment
+    variable ``AT_DEVICE`` names a PyTorch device (``cpu``, ``cuda``, ``cuda:1``,
+    ``mps``; in any case) or is ``auto``, which (like an unset or empty variable) means
+    CUDA if available, then Apple MPS, then the CPU. Asking for a device this machine
+    lacks, or one the book does not run on (xpu, hpu, meta), raises ValueError."""
     if name is None:
         name = os.environ.get("AT_DEVICE", "")
     if isinstance(name, str) and name.strip().lower() in ("", "auto"):
@@ -393,7 +389,10 @@ class Progress:
             dynamic_ncols=True, disable=not progress or distributed_context()[0] != 0)
         self.clock, self.tokens = time.perf_counter(), 0
 
-    def update(self, loss: float, lr: float, tokens: int, last: bool) -> None:
+    def update(self, loss: float, lr: float, tokens: int, last: bool,
+               total: int | None = None) -> None:
+        if total is not None:  # a clocked run: the steps its clock allows (any bar)
+            self.bar.total = total
         self.bar.update(1)
         self.tokens += tokens
         elapsed = max(time.perf_counter() - self.clock, 1e-9)

@@ -364,7 +364,8 @@ def train(
             for key, value in zip(HISTORY, values, strict=True):
                 history[key].append(value)
             last = step + 1 == steps or out_of_time(seconds, time_limit, device)
-            bar.update(loss, lr, tokens, last=last)
+            bar.update(loss, lr, tokens, last=last,  # the clock's steps, if it has one
+                       total=clock_steps(step + 1, seconds, time_limit, steps, last))
             if evaluate is not None and (last or due(step + 1, eval_every, steps)):
                 started += timed(evaluate, step + 1)  # not training time
             saving = last or due(step + 1, checkpoint_every, steps) or stop
@@ -470,6 +471,18 @@ def out_of_time(seconds: float, time_limit: float | None, device) -> bool:
     over = torch.tensor([float(seconds >= time_limit)], device=device)
     dist.broadcast(over, src=0)
     return bool(over.item())
+
+
+def clock_steps(done: int, seconds: float, time_limit: float | None, steps: int,
+                last: bool) -> int | None:
+    """The steps that a run with a ``time_limit`` reaches at its pace so far (``done``
+    steps in ``seconds``), at most ``steps``, and ``done`` at its last step: its
+    progress bar's total, so that the time left the bar shows is the clock's."""
+    if time_limit is None:
+        return None
+    if last or seconds <= 0:
+        return done if last else steps
+    return max(done, min(steps, math.ceil(done * time_limit / seconds)))
 
 
 def stopped(signum: int, step: int, checkpoint_dir) -> None:

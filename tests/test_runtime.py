@@ -319,3 +319,25 @@ def test_training_on_cuda_runs_attention_without_cudnn(monkeypatch):
           eval_every=1)
     assert seen and not any(seen) and len(evaluations) == 3
     assert torch.backends.cuda.cudnn_sdp_enabled() == before  # given back as it was
+
+
+
+def test_a_progress_bar_takes_the_total_a_clocked_run_gives_it(capsys):
+    """The training loop gives the bar of a run with a time limit the steps its clock allows, its own bar or a
+    caller's (the translation task's bar spans its validations too)."""
+    from tqdm import tqdm
+
+    from annotated_transformer.runtime import Progress
+
+    bar = Progress(True, total=5000, initial=0)  # its own bar, drawn on stderr
+    bar.update(2.0, 1e-3, 100, last=False, total=300)
+    assert bar.bar.total == 300 and bar.bar.n == 1
+    bar.update(2.0, 1e-3, 100, last=False)  # no total: kept
+    assert bar.bar.total == 300
+    bar.close()
+    with tqdm(total=50, disable=True) as own:
+        theirs = Progress(own, total=5000, initial=0)
+        theirs.update(2.0, 1e-3, 100, last=False)
+        assert own.total == 50  # no clock: the caller's total stays
+        theirs.update(2.0, 1e-3, 100, last=False, total=300)
+        assert own.total == 300

@@ -798,3 +798,16 @@ def test_make_optimizer_uses_the_fused_kernel_on_the_cpu_and_matches_the_plain_l
     for a, b, start in zip(fused_params, loop_params, model.parameters()):
         assert not torch.equal(a, start)
         torch.testing.assert_close(a, b, atol=tolerance, rtol=0)
+
+
+def test_a_clocked_run_s_progress_bar_counts_the_steps_its_clock_allows():
+    """The bar's total for a run with a time limit: the steps its pace so far reaches in the limit, at most the
+    run's steps, and the step it ends at; a run without a limit keeps its steps."""
+    from annotated_transformer.trainer import clock_steps
+
+    assert clock_steps(10, 2.0, None, 5000, last=False) is None  # no clock: the bar keeps its total
+    assert clock_steps(10, 2.0, 60.0, 5000, last=False) == 300  # 10 steps in 2 s: 300 fit in the minute
+    assert clock_steps(10, 0.002, 60.0, 5000, last=False) == 5000  # fast: the run's steps cap it
+    assert clock_steps(400, 60.0, 60.0, 5000, last=True) == 400  # the clock ended it: a full bar
+    assert clock_steps(10, 0.0, 60.0, 5000, last=False) == 5000  # no pace yet
+    assert clock_steps(299, 59.9, 60.0, 5000, last=False) == 300  # never below the steps done
