@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import warnings
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from annotated_transformer import __version__
@@ -388,6 +388,10 @@ def add_translation_train_options(parser) -> None:
         help="stop training sooner, at the step where it has taken this many minutes "
         "(evaluation left out); --steps stays the most it takes")
     group.add_argument(
+        "--no-clock", action="store_const", const=True,
+        help="no time limit: train all --steps (the laptop profile's clock is 38 "
+        "minutes)")
+    group.add_argument(
         "--decay", choices=Choices("translation", "DECAYS"),
         help="the learning rate after the warm-up: equation (3)'s inverse square root, "
         "or a straight line to zero at --steps")
@@ -429,9 +433,13 @@ def translation_config_from_args(args):
     for."""
     from annotated_transformer.translation import SETTINGS, translation_config
 
-    return translation_config(
-        args.profile, **task_settings(args, SETTINGS, also=["results"])
-    )
+    settings = task_settings(args, SETTINGS, also=["results", "no_clock"])
+    config = translation_config(args.profile, **settings)
+    if args.no_clock:  # None would keep the profile's clock: replace it
+        if settings["minutes"] is not None:
+            raise ValueError("--minutes and --no-clock contradict each other: give one")
+        config = replace(config, minutes=None)
+    return config
 
 
 def run_translation_train(args) -> int:

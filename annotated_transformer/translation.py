@@ -157,7 +157,7 @@ LAPTOP = TranslationConfig(
     vocab_size=8000, train_limit=None, max_len=100, N=3, d_model=256, d_ff=1024, h=4,
     dropout=0.2, attention_dropout=0.0, activation_dropout=0.0, norm_first=True,
     embedding_init="normal", smoothing=0.1, max_tokens=2048, accumulation_steps=1,
-    steps=3200, minutes=None, warmup=400, factor=0.5, decay="inverse_sqrt",
+    steps=5000, minutes=38.0, warmup=400, factor=0.5, decay="inverse_sqrt",
     clip_norm=None, checkpoint_every=100, average=5, eval_every=300, valid_limit=None,
     test_limit=None, beam_size=4, length_penalty=0.6, sweep=True, seed=0,
     profile="laptop",
@@ -175,6 +175,7 @@ PROFILES = {
         dropout=0.0,
         max_tokens=1000,
         steps=350,
+        minutes=None,
         warmup=60,
         factor=0.35,
         checkpoint_every=25,
@@ -197,6 +198,7 @@ PROFILES = {
         activation_dropout=0.3,
         max_tokens=8192,
         steps=5000,
+        minutes=None,
         warmup=1000,
         checkpoint_every=250,
         eval_every=500,
@@ -310,6 +312,9 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
     device = get_device(device)
     precision = choose_precision(device, amp)  # a refusal comes before any work
     log(f"precision: {precision}")
+    if config.minutes is not None:  # the progress bar counts steps; this ends sooner
+        log(f"training: {config.minutes:g} minutes by the clock, at most "
+            f"{config.steps:,} steps")
     tokenizer, train_examples, valid_examples = prepare_data(config)  # before a folder
     if not train_examples:
         raise ValueError(

@@ -139,7 +139,7 @@ def test_train_help_lists_the_options_of_the_translation_task(capsys) -> None:
     assert "settings of --task multi30k; left out: the profile's values" in out
     for option in ("--vocab-size", "--train-limit", "--max-len", "--d-ff", "--heads", "--dropout",
                    "--attention-dropout", "--activation-dropout", "--norm-first, --no-norm-first",
-                   "--embedding-init {normal,xavier}", "--decay {inverse_sqrt,linear}", "--max-tokens", "--average", "--eval-every", "--valid-limit",
+                   "--embedding-init {normal,xavier}", "--decay {inverse_sqrt,linear}", "--no-clock", "--max-tokens", "--average", "--eval-every", "--valid-limit",
                    "--test-limit", "--beam-size", "--length-penalty", "--sweep, --no-sweep", "--results"):
         assert option in out, option
 
@@ -151,6 +151,11 @@ def test_translation_options_become_a_checked_configuration(capsys, tmp_path: Pa
     config = translation_config_from_args(parser.parse_args(["train", "--task", "multi30k", "--profile", "laptop",
                                                              "--heads", "8", "--no-sweep"]))
     assert config.h == 8 and config.sweep is False and config.changed() == ["h", "sweep"]
+    # the laptop profile's clock: on unless switched off
+    laptop = ["train", "--task", "multi30k", "--profile", "laptop"]
+    assert translation_config_from_args(parser.parse_args(laptop)).minutes == 38.0
+    clockless = translation_config_from_args(parser.parse_args([*laptop, "--no-clock", "--steps", "3200"]))
+    assert clockless.minutes is None and clockless.changed() == ["minutes", "steps"]
     # a bad value is refused, naming the option, as it is parsed: before anything runs
     err = usage_error(capsys, "train", "--task", "multi30k", "--profile", "quick", "--dropout", "1.5",
                       "--checkpoint-dir", str(tmp_path / "run"))
@@ -192,7 +197,7 @@ def test_each_task_refuses_the_options_it_would_not_use(capsys) -> None:
 
     dests = set(vars(build_parser(only="train").parse_args(["train"])))
     known = {OPTION_OF.get(name, name) for name in [*CopyConfig.__dataclass_fields__, *SETTINGS]}
-    assert dests - known - EVERY_TASK == {"keep_last", "results"}
+    assert dests - known - EVERY_TASK == {"keep_last", "results", "no_clock"}  # no_clock: minutes=None
 
 
 def test_numbers_are_checked_as_they_are_parsed() -> None:

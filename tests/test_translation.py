@@ -117,11 +117,16 @@ def test_config_profiles_and_overrides():
         with pytest.raises(ValueError, match="factor must be a positive finite number, got "):
             translation_config("quick", factor=bad)
     assert "minutes" not in run_settings(translation_config("quick", minutes=1.0))  # a resume may change it
-    # the records keep the configuration as a dict with the same keys, in the same order; this one is older than
-    # the decay and minutes settings, and trained with equation (3), without a time limit
+    # the laptop profile trains by the clock, with its steps as a cap; the other profiles by their steps
+    assert (laptop.minutes, laptop.steps) == (38.0, 5000) and quick.minutes is None and full.minutes is None
+    # the records keep the configuration as a dict with the same keys, in the same order: the headline record is
+    # the profile's own run
     recorded = json.loads((ROOT / "book" / "results" / "multi30k-laptop.json").read_text())["config"]
+    assert list(asdict(laptop)) == list(recorded) and asdict(laptop) == recorded
+    # the record it replaced is older than the decay and minutes settings, and trained 3,200 steps of equation (3)
+    older = json.loads((ROOT / "book" / "results" / "earlier" / "3200-steps" / "multi30k-laptop.json").read_text())
     expected = {key: value for key, value in asdict(laptop).items() if key not in ("decay", "minutes")}
-    assert list(expected) == list(recorded) and expected == recorded
+    assert older["config"] == {**expected, "steps": 3200}
     assert translation_config("laptop", steps=400, average=1).changed() == ["average", "steps"]
 
 
@@ -317,6 +322,7 @@ def test_command_line_train_and_evaluate(environment, tmp_path, capsys):
     assert args.run(args) == 0
     out = capsys.readouterr().out
     assert "test2016 BLEU (greedy)" in out and "nrefs:1|case:mixed" in out and "average.pt" in out
+    assert "by the clock" not in out  # the quick profile has no time limit
     assert json.loads((tmp_path / "r.json").read_text())["config"]["steps"] == 10
     # a time limit that the first step reaches: the run ends there, evaluated and averaged (the one checkpoint)
     args = parser.parse_args(["train", "--task", "multi30k", "--profile", "quick", *options, "--no-norm-first",
@@ -326,7 +332,7 @@ def test_command_line_train_and_evaluate(environment, tmp_path, capsys):
     config = translation_config_from_args(args)
     assert config.norm_first is False and config.embedding_init == "xavier"
     assert args.run(args) == 0
-    capsys.readouterr()
+    assert "training: 1e-06 minutes by the clock, at most 10 steps" in capsys.readouterr().out
     recorded = json.loads((tmp_path / "post.json").read_text())
     assert recorded["config"]["norm_first"] is False and "norm_first" in recorded["changed"]
     assert recorded["config"]["minutes"] == 1e-6 and "minutes" in recorded["changed"]
