@@ -312,7 +312,7 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
     device = get_device(device)
     precision = choose_precision(device, amp)  # a refusal comes before any work
     log(f"precision: {precision}")
-    if config.minutes is not None:  # the progress bar counts steps; this ends sooner
+    if config.minutes is not None:  # the run's budget, said before any work
         log(f"training: {config.minutes:g} minutes by the clock, at most "
             f"{config.steps:,} steps")
     tokenizer, train_examples, valid_examples = prepare_data(config)  # before a folder
