@@ -209,6 +209,12 @@ def test_the_readmes_figures_come_from_the_record():
     assert float(claim.group(1)) == record["test"]["beam_tuned"]["bleu"]      # chosen on validation
     assert float(claim.group(2)) == record["bootstrap"]["beam_tuned"]["ci95"]
     assert int(claim.group(3)) == round(record["train_seconds"] / 60)
+    seeded = json.loads((ROOT / "book" / "results" / "multi30k-laptop-clocked-seed1.json").read_text("utf-8"))
+    claim = re.search(r"with `--seed 1` scored ([\d.]+)\s+\(`book/results/multi30k-laptop-clocked-seed1.json`\)",
+                      readme)
+    assert claim, "the README no longer quotes the laptop command's second seed"
+    assert float(claim.group(1)) == seeded["test"]["beam_tuned"]["bleu"]
+    assert seeded["changed"] == ["seed"] and seeded["config"]["seed"] == 1
     assert (ROOT / "docs" / "translator.png").is_file()
     gpu = json.loads((ROOT / "book" / "results" / "multi30k-full.json").read_text(encoding="utf-8"))
     claim = re.search(r"([\d.]+) BLEU on Multi30k test2016 with\s+beam search after ([\d.]+) minutes of "
