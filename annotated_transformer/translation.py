@@ -32,8 +32,9 @@ from annotated_transformer.data import (
 from annotated_transformer.masks import padding_mask, target_mask
 from annotated_transformer.model import EMBEDDING_INITS, make_model
 from annotated_transformer.runtime import (
-    AmpSetting, check_settings as check_shared_settings, check_size, choose_precision,
-    evaluating, get_device, get_profile, seed_everything, warn_long_warmup,
+    AmpSetting, Precision, check_settings as check_shared_settings, check_size,
+    choose_precision, cpu_has_bf16_kernels, evaluating, get_device, get_profile,
+    seed_everything, warn_long_warmup,
 )
 from annotated_transformer.trainer import due, train
 from annotated_transformer.training import (
@@ -312,6 +313,8 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
     device = get_device(device)
     precision = choose_precision(device, amp)  # a refusal comes before any work
     log(f"precision: {precision}")
+    if hint := laptop_hint(config, precision, amp):  # on a CPU in fp32
+        log(hint)
     if config.minutes is not None:  # the run's budget, said before any work
         log(f"training: {config.minutes:g} minutes by the clock, at most "
             f"{config.steps:,} steps")
@@ -358,6 +361,30 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
         parameters=sum(p.numel() for p in model.parameters()),
         **averaged,
     )
+
+
+# the fp32 recipe of "The whole budget, and ten checkpoints averaged", as options
+FP32_RECIPE = {"max_tokens": 1024, "dropout": 0.1, "average": 10}
+
+
+def laptop_hint(config: TranslationConfig, precision: Precision,
+                amp: AmpSetting = None) -> str | None:
+    """The line that a laptop-profile run on a CPU in fp32 prints before any work:
+    ``--amp`` where PyTorch has bfloat16 kernels for the CPU and ``amp`` asked for
+    nothing; else the fp32 recipe, unless ``config`` changes one of its settings. None
+    for any other run."""
+    if (config.profile != "laptop" or precision.device != "cpu"
+            or precision.dtype != torch.float32):
+        return None
+    if amp is None and cpu_has_bf16_kernels():
+        return ("hint: PyTorch has bfloat16 kernels for this CPU; --amp (bf16 "
+                "autocast) made the recorded laptop run's steps faster than fp32")
+    if set(FP32_RECIPE) & set(config.changed()):
+        return None
+    options = " ".join(f"--{name.replace('_', '-')} {value}"
+                       for name, value in FP32_RECIPE.items())
+    return ("hint: in fp32, the translation chapter's best laptop command adds "
+            + options)
 
 
 UNRECORDED = ("steps", "minutes", "test_limit", "beam_size", "length_penalty", "sweep",

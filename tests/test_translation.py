@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from annotated_transformer.beam_search import strip_special, translate, translate_ids
 from annotated_transformer.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -27,9 +27,10 @@ from annotated_transformer.download import DATA_ENV
 from annotated_transformer.model import make_model
 from annotated_transformer.records import bleu_bootstrap, record_experiment, thin
 from annotated_transformer.translation import (
-    PROFILES, SentencePieces, TranslationConfig, bleu, checkpoint_tokenizer, load_translator, train_translator,
-    run_settings, translation_config,
+    PROFILES, SentencePieces, TranslationConfig, bleu, checkpoint_tokenizer, laptop_hint, load_translator,
+    train_translator, run_settings, translation_config,
 )
+from annotated_transformer.runtime import Precision
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = Path(os.environ.get(DATA_ENV) or ROOT.parent / "shared" / "datasets" / "multi30k")
@@ -128,6 +129,38 @@ def test_config_profiles_and_overrides():
     expected = {key: value for key, value in asdict(laptop).items() if key not in ("decay", "minutes")}
     assert older["config"] == {**expected, "steps": 3200}
     assert translation_config("laptop", steps=400, average=1).changed() == ["average", "steps"]
+
+
+def test_a_laptop_run_in_fp32_says_what_the_chapter_found(monkeypatch, tmp_path):
+    import annotated_transformer.translation as translation
+    laptop, fp32 = PROFILES["laptop"], Precision("cpu")
+    recipe = "--max-tokens 1024 --dropout 0.1 --average 10"
+    # nothing asked for: --amp where PyTorch has bfloat16 kernels for the CPU, else the fp32 recipe
+    for kernels, expected in ((True, "--amp (bf16 autocast)"), (False, recipe), (None, recipe)):
+        monkeypatch.setattr(translation, "cpu_has_bf16_kernels", lambda: kernels)
+        assert expected in laptop_hint(laptop, fp32)
+    monkeypatch.setattr(translation, "cpu_has_bf16_kernels", lambda: True)
+    for asked in (False, "fp32"):  # fp32 asked for, on a CPU that has the kernels: the fp32 recipe
+        assert laptop_hint(laptop, fp32, asked).endswith(recipe)
+    # a run that sets one of the recipe's options, another profile, bf16, a GPU: no hint
+    for config in (replace(laptop, average=10), replace(laptop, max_tokens=1024), PROFILES["full"]):
+        assert laptop_hint(config, fp32, False) is None
+    assert laptop_hint(laptop, Precision("cpu", torch.bfloat16), True) is None
+    assert laptop_hint(laptop, Precision("cuda"), None) is None
+    # the run says it before any work: here the data step stops it, and no folder is made
+
+    class Stopped(Exception):
+        pass
+
+    def stop(config):
+        raise Stopped
+
+    monkeypatch.setattr(translation, "prepare_data", stop)
+    lines = []
+    with pytest.raises(Stopped):
+        train_translator(laptop, tmp_path / "run", device="cpu", log=lines.append)
+    assert lines[1] == laptop_hint(laptop, fp32) and lines[1].startswith("hint: PyTorch has bfloat16")
+    assert not (tmp_path / "run").exists()
 
 
 def test_end_to_end_results(run):
