@@ -199,6 +199,23 @@ def test_the_install_cell_installs_the_package_where_it_is_missing(tmp_path):
     assert Path(second.stdout.split()[-1]) == work / "book-clone" / "book"
 
 
+def test_the_release_trains_in_fp32_with_the_settings_that_the_hint_names():
+    """A hosted runner's CPU may lack native bfloat16, so the release trains in fp32 (no --amp) with the fp32
+    settings that a laptop run in fp32 names in its hint (the translation chapter's FP32_RECIPE)."""
+    from annotated_transformer.translation import FP32_RECIPE, laptop_hint, translation_config
+    from annotated_transformer.cli import build_parser, translation_config_from_args
+    from annotated_transformer.runtime import Precision
+
+    steps = yaml.safe_load((WORKFLOWS / "release.yml").read_text(encoding="utf-8"))["jobs"]["release"]["steps"]
+    command = next(step["run"] for step in steps if step.get("name") == "Train the laptop translator").split()
+    assert command[:3] == [".venv/bin/python", "-m", "annotated_transformer"] and "--amp" not in command
+    options = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in FP32_RECIPE.items())
+    assert options in " ".join(command)
+    assert laptop_hint(translation_config("laptop"), Precision("cpu"), False).endswith(options)
+    config = translation_config_from_args(build_parser().parse_args(command[3:]))
+    assert config.profile == "laptop" and sorted(config.changed()) == sorted(FP32_RECIPE)
+
+
 def test_the_readmes_figures_come_from_the_record():
     """The README quotes the laptop run's beam BLEU and training time: they must be the record's."""
     record = json.loads((ROOT / "book" / "results" / "multi30k-laptop.json").read_text(encoding="utf-8"))
