@@ -365,20 +365,37 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
 
 # the fp32 recipe of "The whole budget, and ten checkpoints averaged", as options
 FP32_RECIPE = {"max_tokens": 1024, "dropout": 0.1, "average": 10}
+BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 (AVX-512, AMX) and Arm, in Linux
+
+
+def cpu_has_bf16_instructions(cpuinfo: str | None = None) -> bool | None:
+    """Whether the CPU has bfloat16 instructions, by the flags of ``cpuinfo`` (default:
+    Linux's ``/proc/cpuinfo``); None where there is no such file or no flags in it."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text("utf-8", errors="replace")
+        except OSError:  # not Linux
+            return None
+    flags = set()
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):  # x86, Arm
+            flags.update(value.split())
+    return bool(flags & BF16_FLAGS) if flags else None
 
 
 def laptop_hint(config: TranslationConfig, precision: Precision,
                 amp: AmpSetting = None) -> str | None:
     """The line that a laptop-profile run on a CPU in fp32 prints before any work:
-    ``--amp`` where PyTorch has bfloat16 kernels for the CPU and ``amp`` asked for
-    nothing; else the fp32 recipe, unless ``config`` changes one of its settings. None
-    for any other run."""
+    ``--amp`` where the CPU computes bfloat16 natively (kernels and instructions) and
+    ``amp`` asked for nothing; else the fp32 recipe, unless ``config`` changes one of
+    its settings. None for any other run."""
     if (config.profile != "laptop" or precision.device != "cpu"
             or precision.dtype != torch.float32):
         return None
-    if amp is None and cpu_has_bf16_kernels():
-        return ("hint: PyTorch has bfloat16 kernels for this CPU; --amp (bf16 "
-                "autocast) made the recorded laptop run's steps faster than fp32")
+    if amp is None and cpu_has_bf16_kernels() and cpu_has_bf16_instructions():
+        return ("hint: this CPU computes bfloat16 natively; --amp (bf16 autocast) "
+                "made the recorded laptop run's steps faster than fp32")
     if set(FP32_RECIPE) & set(config.changed()):
         return None
     options = " ".join(f"--{name.replace('_', '-')} {value}"

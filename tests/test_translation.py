@@ -135,11 +135,16 @@ def test_a_laptop_run_in_fp32_says_what_the_chapter_found(monkeypatch, tmp_path)
     import annotated_transformer.translation as translation
     laptop, fp32 = PROFILES["laptop"], Precision("cpu")
     recipe = "--max-tokens 1024 --dropout 0.1 --average 10"
-    # nothing asked for: --amp where PyTorch has bfloat16 kernels for the CPU, else the fp32 recipe
-    for kernels, expected in ((True, "--amp (bf16 autocast)"), (False, recipe), (None, recipe)):
+    # nothing asked for: --amp where the CPU computes bfloat16 natively (PyTorch's kernels and the CPU's
+    # instructions), else the fp32 recipe: an AVX-512 CPU without BF16 has the kernels but not the instructions
+    cases = {(True, True): "--amp (bf16 autocast)", (True, False): recipe, (True, None): recipe,
+             (False, True): recipe, (None, True): recipe, (False, False): recipe}
+    for (kernels, instructions), expected in cases.items():
         monkeypatch.setattr(translation, "cpu_has_bf16_kernels", lambda: kernels)
+        monkeypatch.setattr(translation, "cpu_has_bf16_instructions", lambda: instructions)
         assert expected in laptop_hint(laptop, fp32)
     monkeypatch.setattr(translation, "cpu_has_bf16_kernels", lambda: True)
+    monkeypatch.setattr(translation, "cpu_has_bf16_instructions", lambda: True)
     for asked in (False, "fp32"):  # fp32 asked for, on a CPU that has the kernels: the fp32 recipe
         assert laptop_hint(laptop, fp32, asked).endswith(recipe)
     # a run that sets one of the recipe's options, another profile, bf16, a GPU: no hint
@@ -159,8 +164,24 @@ def test_a_laptop_run_in_fp32_says_what_the_chapter_found(monkeypatch, tmp_path)
     lines = []
     with pytest.raises(Stopped):
         train_translator(laptop, tmp_path / "run", device="cpu", log=lines.append)
-    assert lines[1] == laptop_hint(laptop, fp32) and lines[1].startswith("hint: PyTorch has bfloat16")
+    assert lines[1] == laptop_hint(laptop, fp32) and lines[1].startswith("hint: this CPU computes bfloat16")
     assert not (tmp_path / "run").exists()
+
+
+def test_bf16_instructions_are_read_from_the_cpus_flags(tmp_path):
+    from annotated_transformer.translation import cpu_has_bf16_instructions
+    assert cpu_has_bf16_instructions("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")
+    assert cpu_has_bf16_instructions("flags\t: fpu avx2 amx_bf16\n")             # Sapphire Rapids and later
+    assert cpu_has_bf16_instructions("flags\t: fpu avx2 avx512f avx512bw\n") is False  # AVX-512 without BF16
+    assert cpu_has_bf16_instructions("Features\t: fp asimd bf16 i8mm\n")          # Arm (Linux)
+    assert cpu_has_bf16_instructions("Features\t: fp asimd\n") is False
+    assert cpu_has_bf16_instructions("") is None and cpu_has_bf16_instructions("model name\t: x\n") is None
+    # the machine's own file, where there is one: the answer agrees with its flags
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = set(cpuinfo.read_text(errors="replace").split())
+        expected = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) if {"flags", "Features"} & flags else None
+        assert cpu_has_bf16_instructions() == expected
 
 
 def test_end_to_end_results(run):
