@@ -28,11 +28,10 @@ PROFILES = ("quick", "full")
 
 
 def get_profile(value: str | None = None) -> str:
-    """Return the active profile: ``"quick"`` (small sizes, a laptop CPU) or ``"full"``
-    (the real sizes, a GPU). ``value``, if given, or else the environment variable
-    ``AT_PROFILE`` must be ``quick``, ``full`` or ``auto`` (in any case; unset or empty
-    means ``auto``), and ``auto`` is ``full`` when CUDA is available and ``quick``
-    otherwise. Any other value raises ``ValueError``."""
+    """The active profile, ``"quick"`` (small sizes, a laptop CPU) or ``"full"`` (the
+    real sizes, a GPU): ``value``, else ``AT_PROFILE``, must be ``quick``, ``full`` or
+    ``auto`` (any case; unset or empty is ``auto``: ``full`` when CUDA is available,
+    else ``quick``); any other value raises ``ValueError``."""
     raw = value if value is not None else (os.environ.get("AT_PROFILE") or "auto")
     name = str(raw).strip().lower()
     if name == "auto":
@@ -43,18 +42,15 @@ def get_profile(value: str | None = None) -> str:
 
 
 def by_profile(quick, full, profile: str | None = None):
-    """Return ``quick`` or ``full``, whichever belongs to the active profile.
-
-    ``profile`` overrides ``AT_PROFILE`` (see ``get_profile``). Example: ``steps =
-    by_profile(200, 20_000)``."""
+    """``quick`` or ``full``, as the active profile (``profile``, else ``AT_PROFILE``:
+    ``get_profile``) says; e.g. ``steps = by_profile(200, 20_000)``."""
     return quick if get_profile(profile) == "quick" else full
 
 
 def get_device(name: str | torch.device | None = None) -> torch.device:
-    """Return the device to compute on: ``name``, if given, or else the environment
-    variable ``AT_DEVICE`` names a PyTorch device (``cpu``, ``cuda``, ``cuda:1``,
-    ``mps``; in any case) or is ``auto``, which (like an unset or empty variable) means
-    CUDA if available, then Apple MPS, then the CPU. Asking for a device this machine
+    """The device to compute on: ``name``, else ``AT_DEVICE``, names a PyTorch device
+    (``cpu``, ``cuda``, ``cuda:1``, ``mps``; any case) or is ``auto`` (or unset or
+    empty): CUDA if available, then Apple MPS, then the CPU. A device this machine
     lacks, or one the book does not run on (xpu, hpu, meta), raises ValueError."""
     if name is None:
         name = os.environ.get("AT_DEVICE", "")
@@ -88,10 +84,9 @@ def get_device(name: str | torch.device | None = None) -> torch.device:
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
-    """Seed Python's, NumPy's and PyTorch's random number generators (PyTorch's on every
-    device); ``seed`` must be an int in [0, 2**32). ``deterministic=True`` also makes
-    PyTorch use deterministic algorithms, with the cuBLAS workspace that CUDA needs for
-    them (call this before any CUDA work)."""
+    """Seed Python's, NumPy's and PyTorch's generators (on every device) with an int in
+    [0, 2**32); ``deterministic=True`` also asks for deterministic algorithms, with the
+    cuBLAS workspace they need on CUDA (call this before any CUDA work)."""
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed < 2**32:
@@ -155,10 +150,8 @@ AmpSetting: TypeAlias = bool | str | torch.dtype | Precision | None
 
 
 def choose_precision(device=None, amp: AmpSetting = None) -> Precision:
-    """The precision of training on ``device`` (see ``get_device``): by the hardware,
-    or as asked.
-
-    ``amp=None`` follows the hardware: bf16 autocast on a CUDA GPU of compute
+    """The precision of training on ``device`` (``get_device``), by the hardware or as
+    asked. ``amp=None`` follows the hardware: bf16 autocast on a CUDA GPU of compute
     capability 8.0 and up (native bfloat16), fp16 autocast with loss scaling below
     that, fp32 on a CPU and on MPS. ``False`` (or ``"fp32"``) is fp32; ``True`` is
     autocast of the device's type (bf16 on a CPU); ``"bf16"``, ``"fp16"`` or a torch
@@ -206,6 +199,28 @@ def cpu_has_bf16_kernels() -> bool | None:
     return None if check is None else bool(check())
 
 
+def cpu_info() -> dict[str, str]:
+    """Linux's ``/proc/cpuinfo``, the first value of each field (``model name``,
+    ``flags``, on Arm ``Features``...); {} where there is no such file."""
+    try:
+        text = Path("/proc/cpuinfo").read_text("utf-8", errors="replace")
+    except OSError:  # not Linux
+        return {}
+    info = {}
+    for name, _, value in (line.partition(":") for line in text.splitlines()
+                           if ":" in line):
+        info.setdefault(name.strip(), value.strip())
+    return info
+
+
+def cpu_has_bf16_instructions(info: dict[str, str] | None = None) -> bool | None:
+    """Whether the CPU has bfloat16 instructions (AVX-512 BF16 or AMX on x86, BF16 on
+    Arm), by the flags in ``info`` (default ``cpu_info()``); None if it lists none."""
+    info = cpu_info() if info is None else info
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) if flags else None
+
+
 def read_amp(amp) -> tuple[bool | None, torch.dtype | None]:
     """``amp`` as (autocast wanted: True, False or None for the default; its dtype)."""
     if amp is None or isinstance(amp, bool):
@@ -227,14 +242,8 @@ def describe_device(device) -> str:
     device = get_device(device)
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
-    name = platform.processor() or platform.machine() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    name = (cpu_info().get("model name") or platform.processor() or platform.machine()
+            or "unknown")
     threads = torch.get_num_threads()
     simd = torch.backends.cpu.get_cpu_capability()  # the vector unit PyTorch uses
     bf16 = ", bf16" if cpu_has_bf16_kernels() else ""
@@ -243,10 +252,9 @@ def describe_device(device) -> str:
 
 
 def compile_settings(device) -> AbstractContextManager:
-    """``with compile_settings(device):`` runs (and so compiles) code for ``device``
-    with the compiler settings that pay there: on a CPU, dropout's masks drawn by
-    PyTorch's own kernels (``fallback_random``), faster than inductor's code for them,
-    and the same masks as an eager step's; elsewhere none."""
+    """``with compile_settings(device):`` compiles with the settings that pay there: on
+    a CPU, dropout's masks drawn by PyTorch's own kernels (``fallback_random``), faster
+    than inductor's code and the same masks as an eager step's; elsewhere none."""
     if get_device(device).type != "cpu":
         return nullcontext()
     import torch._inductor.config as inductor_config  # imported on first use: large
@@ -326,11 +334,8 @@ def warn_long_warmup(config):
 
 
 def glue(name: str, value, display: bool = False) -> None:
-    """Put ``value`` into the chapter's text where it says {glue:text}`name`.
-
-    In a Jupyter kernel with myst-nb installed (the book build) this is myst-nb's
-    ``glue``. Elsewhere (Colab, a plain script) it prints ``name = value``.
-    """
+    """Put ``value`` into the chapter's text where it says {glue:text}`name`: myst-nb's
+    ``glue`` in a Jupyter kernel with myst-nb (the book build), else prints it."""
     try:
         from IPython import get_ipython
         # myst-nb ships no type hints (no py.typed), which mypy reports at the import
@@ -351,9 +356,8 @@ def distributed_context() -> tuple[int, int]:
 
 
 def init_distributed(device=None) -> torch.device:
-    """Join the process group that ``torchrun`` describes (RANK, WORLD_SIZE, LOCAL_RANK:
-    NCCL on CUDA, one GPU per process; gloo on CPU); return the device. Without
-    ``torchrun`` (WORLD_SIZE unset or 1), nothing but ``get_device(device)``."""
+    """Join ``torchrun``'s process group (NCCL on CUDA, a GPU a process; gloo on CPU),
+    return the device; without it (WORLD_SIZE unset or 1), ``get_device(device)``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = get_device(device)
     if world == 1 or dist.is_initialized():
@@ -376,9 +380,8 @@ def shard_rows(n: int, rank: int, world: int) -> slice:
 
 
 class Progress:
-    """The progress bar of a training run: its own (``progress=True``), none (False), or
-    a caller's ``tqdm`` bar; the loss, the learning rate and the tokens per second. Its
-    own bar is printed after a ``note`` (such as the precision) if given."""
+    """A training run's bar (its own, after a ``note`` if given; none for False; or a
+    caller's ``tqdm`` bar) with the loss, the learning rate and tokens per second."""
 
     def __init__(self, progress, *, total: int, initial: int, note: str | None = None):
         self.own = not isinstance(progress, tqdm)

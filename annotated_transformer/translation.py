@@ -33,8 +33,8 @@ from annotated_transformer.masks import padding_mask, target_mask
 from annotated_transformer.model import EMBEDDING_INITS, make_model
 from annotated_transformer.runtime import (
     AmpSetting, Precision, check_settings as check_shared_settings, check_size,
-    choose_precision, cpu_has_bf16_kernels, evaluating, get_device, get_profile,
-    seed_everything, warn_long_warmup,
+    choose_precision, cpu_has_bf16_instructions, cpu_has_bf16_kernels, evaluating,
+    get_device, get_profile, seed_everything, warn_long_warmup,
 )
 from annotated_transformer.trainer import due, train
 from annotated_transformer.training import (
@@ -365,23 +365,6 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
 
 # the fp32 recipe of "The whole budget, and ten checkpoints averaged", as options
 FP32_RECIPE = {"max_tokens": 1024, "dropout": 0.1, "average": 10}
-BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 (AVX-512, AMX) and Arm, in Linux
-
-
-def cpu_has_bf16_instructions(cpuinfo: str | None = None) -> bool | None:
-    """Whether the CPU has bfloat16 instructions, by the flags of ``cpuinfo`` (default:
-    Linux's ``/proc/cpuinfo``); None where there is no such file or no flags in it."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text("utf-8", errors="replace")
-        except OSError:  # not Linux
-            return None
-    flags = set()
-    for line in cpuinfo.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):  # x86, Arm
-            flags.update(value.split())
-    return bool(flags & BF16_FLAGS) if flags else None
 
 
 def laptop_hint(config: TranslationConfig, precision: Precision,

@@ -1,6 +1,7 @@
 """Tests of annotated_transformer.runtime: profiles, devices and seeds (book/intro.md)."""
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -341,3 +342,28 @@ def test_a_progress_bar_takes_the_total_a_clocked_run_gives_it(capsys):
         assert own.total == 50  # no clock: the caller's total stays
         theirs.update(2.0, 1e-3, 100, last=False, total=300)
         assert own.total == 300
+
+
+def test_bf16_instructions_are_read_from_the_cpus_flags(monkeypatch, tmp_path):
+    from annotated_transformer import runtime
+    from annotated_transformer.runtime import cpu_has_bf16_instructions, cpu_info
+    assert cpu_has_bf16_instructions({"flags": "fpu avx2 avx512f avx512_bf16 amx_tile"})
+    assert cpu_has_bf16_instructions({"flags": "fpu avx2 amx_bf16"})                   # AMX
+    assert cpu_has_bf16_instructions({"flags": "fpu avx2 avx512f avx512bw"}) is False  # AVX-512 without BF16
+    assert cpu_has_bf16_instructions({"Features": "fp asimd bf16 i8mm"})               # Arm (Linux)
+    assert cpu_has_bf16_instructions({"Features": "fp asimd"}) is False
+    assert cpu_has_bf16_instructions({}) is None and cpu_has_bf16_instructions({"model name": "x"}) is None
+    # the file: the first value of each field (one block per processor), stripped; {} where there is none
+    text = "processor\t: 0\nmodel name\t: A CPU\nflags\t\t: fpu avx512_bf16\n\nprocessor\t: 1\nflags\t: fpu\n"
+    (tmp_path / "cpuinfo").write_text(text)
+    real = Path
+
+    def files(name, *args):
+        return real(tmp_path / "cpuinfo") if str(name) == "/proc/cpuinfo" else real(name, *args)
+
+    monkeypatch.setattr(runtime, "Path", files)
+    assert cpu_info() == {"processor": "0", "model name": "A CPU", "flags": "fpu avx512_bf16"}
+    assert cpu_has_bf16_instructions() is True
+    assert runtime.describe_device("cpu").startswith("cpu (A CPU, ")
+    (tmp_path / "cpuinfo").unlink()
+    assert cpu_info() == {} and cpu_has_bf16_instructions() is None

@@ -168,22 +168,6 @@ def test_a_laptop_run_in_fp32_says_what_the_chapter_found(monkeypatch, tmp_path)
     assert not (tmp_path / "run").exists()
 
 
-def test_bf16_instructions_are_read_from_the_cpus_flags(tmp_path):
-    from annotated_transformer.translation import cpu_has_bf16_instructions
-    assert cpu_has_bf16_instructions("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")
-    assert cpu_has_bf16_instructions("flags\t: fpu avx2 amx_bf16\n")             # Sapphire Rapids and later
-    assert cpu_has_bf16_instructions("flags\t: fpu avx2 avx512f avx512bw\n") is False  # AVX-512 without BF16
-    assert cpu_has_bf16_instructions("Features\t: fp asimd bf16 i8mm\n")          # Arm (Linux)
-    assert cpu_has_bf16_instructions("Features\t: fp asimd\n") is False
-    assert cpu_has_bf16_instructions("") is None and cpu_has_bf16_instructions("model name\t: x\n") is None
-    # the machine's own file, where there is one: the answer agrees with its flags
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        flags = set(cpuinfo.read_text(errors="replace").split())
-        expected = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) if {"flags", "Features"} & flags else None
-        assert cpu_has_bf16_instructions() == expected
-
-
 def test_end_to_end_results(run):
     results, trained, folder, results_file = run
     assert results["profile"] == "quick" and "steps" in results["changed"]
