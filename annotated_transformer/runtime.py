@@ -206,7 +206,7 @@ def cpu_info() -> dict[str, str]:
         text = Path("/proc/cpuinfo").read_text("utf-8", errors="replace")
     except OSError:  # not Linux
         return {}
-    info = {}
+    info: dict[str, str] = {}
     for name, _, value in (line.partition(":") for line in text.splitlines()
                            if ":" in line):
         info.setdefault(name.strip(), value.strip())
