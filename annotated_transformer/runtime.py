@@ -238,7 +238,7 @@ def read_amp(amp) -> tuple[bool | None, torch.dtype | None]:
 def describe_device(device) -> str:
     """A readable name of ``device``: ``"cuda (NVIDIA H100 ...)"``, or ``"cpu (<model>,
     2 threads, AVX2)"``: the CPU's model, PyTorch's threads, the vector instructions
-    PyTorch uses and ``bf16`` where it has fast bfloat16 kernels."""
+    PyTorch uses and ``bf16`` where its kernels and the CPU's instructions have it."""
     device = get_device(device)
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
@@ -246,9 +246,9 @@ def describe_device(device) -> str:
             or "unknown")
     threads = torch.get_num_threads()
     simd = torch.backends.cpu.get_cpu_capability()  # the vector unit PyTorch uses
-    bf16 = ", bf16" if cpu_has_bf16_kernels() else ""
+    native = cpu_has_bf16_kernels() and cpu_has_bf16_instructions() is not False
     return (f"{device.type} ({name}, {threads} thread{'' if threads == 1 else 's'}, "
-            f"{simd}{bf16})")
+            f"{simd}{', bf16' if native else ''})")
 
 
 def compile_settings(device) -> AbstractContextManager:

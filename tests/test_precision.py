@@ -94,7 +94,8 @@ def test_the_kernel_check_and_the_device_name_follow_this_machine():
     assert has in (True, False, None)
     name = describe_device("cpu")
     assert name.startswith("cpu (") and f"thread{'' if torch.get_num_threads() == 1 else 's'}, " in name
-    assert name.endswith(f", {torch.backends.cpu.get_cpu_capability()}{', bf16' if has else ''})"), name
+    native = has and runtime.cpu_has_bf16_instructions() is not False  # kernels and instructions
+    assert name.endswith(f", {torch.backends.cpu.get_cpu_capability()}{', bf16' if native else ''})"), name
 
 
 @pytest.mark.parametrize("amp", ["fp16", "float16", torch.float16])

@@ -344,6 +344,22 @@ def test_a_progress_bar_takes_the_total_a_clocked_run_gives_it(capsys):
         assert own.total == 300
 
 
+@pytest.mark.parametrize("kernels, flags, named", [
+    (True, "fpu avx512f avx512_bf16", True),   # both: bf16 in the name
+    (True, "fpu avx512f avx512bw", False),     # AVX-512 without BF16: the kernels, not the speed
+    (True, None, True),                        # no flags to read (not Linux): the kernels say
+    (False, "fpu avx512_bf16", False),         # no kernels
+    (None, "fpu avx512_bf16", False),          # a PyTorch that cannot say
+])
+def test_the_device_name_says_bf16_only_where_the_cpu_computes_it_natively(monkeypatch, kernels, flags, named):
+    from annotated_transformer import runtime
+    monkeypatch.setattr(runtime, "cpu_has_bf16_kernels", lambda: kernels)
+    info = {"model name": "A CPU"} if flags is None else {"model name": "A CPU", "flags": flags}
+    monkeypatch.setattr(runtime, "cpu_info", lambda: info)
+    name = runtime.describe_device("cpu")
+    assert name.startswith("cpu (A CPU, ") and name.endswith(", bf16)") == named, name
+
+
 def test_bf16_instructions_are_read_from_the_cpus_flags(monkeypatch, tmp_path):
     from annotated_transformer import runtime
     from annotated_transformer.runtime import cpu_has_bf16_instructions, cpu_info
