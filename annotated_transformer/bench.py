@@ -16,20 +16,22 @@ from annotated_transformer.measure import CLOCKS, format_table
 from annotated_transformer.performance import (
     ATTENTION_COLUMNS,
     DECODING_COLUMNS,
+    PROFILE_COLUMNS,
     SHAPE_COLUMNS,
     TRAINING_COLUMNS,
     attention_sweep,
     decoding_throughput,
     peak_flops,
     shape_sweep,
+    step_profile,
     training_throughput,
 )
 from annotated_transformer.records import command_line, write_json
 from annotated_transformer.runtime import choose_precision, describe_device, get_device
 
 
-SECTIONS = ("training", "attention", "decoding", "layers", "shapes")
-DEFAULT_SECTIONS = SECTIONS[:4]  # shapes: on request
+SECTIONS = ("training", "attention", "decoding", "layers", "shapes", "profile")
+DEFAULT_SECTIONS = SECTIONS[:4]  # shapes and profile: on request
 # the full profile's model, on batches of about 8,192 tokens of 10 to 49 tokens each
 TRANSLATION_SHAPES = dict(config=dict(N=3, d_model=512, d_ff=2048, h=8, vocab=8000),
                           shapes=[(8192 // length, length) for length in range(10, 50)])
@@ -173,6 +175,13 @@ def run_benchmarks(
         )
     if "shapes" in sections:  # on the wall clock: a pass is mostly the GPU's time
         results["shapes"] = shape_sweep(**sizes["shapes"], device=device, dtype=dtype)
+    if "profile" in sections:  # the training sizes: eager, and compiled if asked
+        results["profile"] = [
+            row for config, shape in sizes["training"]
+            for compiled in (False, True)[:1 + compile]
+            for row in step_profile(config, **shape, device=device, dtype=dtype,
+                                    compile=compiled, steps=min(5, sizes["steps"]),
+                                    warmup=sizes["warmup"])]
     return results
 
 
@@ -197,6 +206,10 @@ TABLES = {
     "shapes": (
         "Batches of changing shapes: a training step per shape, four passes",
         SHAPE_COLUMNS,
+    ),
+    "profile": (
+        "Where a training step's time goes: our model, by kinds of work (profiler)",
+        PROFILE_COLUMNS,
     ),
 }
 

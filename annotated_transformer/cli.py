@@ -488,12 +488,14 @@ def add_bench(subparsers) -> None:
         nargs="+",
         choices=Choices("bench", "SECTIONS"),
         metavar="SECTION",
-        help="run only these sections (%(choices)s; default: all but shapes)",
+        help="run only these sections (%(choices)s; default: all but shapes and "
+        "profile)",
     )
     parser.add_argument("--json", metavar="PATH", help="also save the results as JSON")
     parser.add_argument("--threads", type=thread_count, help="CPU threads for PyTorch")
     parser.add_argument("--compile", action="store_true",
-                        help="also time both models compiled, in the training section")
+                        help="also time both models compiled, in the training section "
+                        "(and profile our step compiled, in the profile section)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, metavar="N",
                         help="the decoding section's batch sizes (default: 1 64)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"),

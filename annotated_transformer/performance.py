@@ -9,11 +9,13 @@ import math
 import re
 import statistics
 import time
+from collections import defaultdict
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import DeviceType
 
 from annotated_transformer.attention import attention, attention_settings
 from annotated_transformer.beam_search import beam_search
@@ -274,6 +276,96 @@ def training_throughput(config: dict, batch: int, src_len: int, tgt_len: int,
         row.update(compiled_ratio=ratio("ours_compiled", "torch_compiled"),
                    compile_speedup=ratio("ours_compiled", "ours"))
     return row
+
+
+# kinds of work, by substrings of an operation's or a GPU kernel's name (lower case);
+# the first kind that matches counts. The products inside the attention formula are
+# matrix products; only fused attention kernels count as attention.
+STEP_KINDS = (
+    ("attention (fused)", ("attention", "fmha", "flash")),
+    ("matrix products", ("gemm", "aten::mm", "addmm", "bmm", "matmul", "_mm", "nvjet",
+                         "xmma", "cutlass", "cublas")),
+    ("softmax and loss", ("softmax", "nll_loss", "cross_entropy")),
+    ("optimiser", ("adam", "multi_tensor")),
+    ("layer norm", ("layer_norm",)),
+    ("compiled code", ("triton", "compiledfxgraph", "cpp_fused")),
+    ("dropout masks", ("bernoulli", "dropout", "philox")),
+    ("copies and fills", ("memcpy", "memset", "copy", "fill", "zero")),
+)
+
+
+PROFILE_COLUMNS = [
+    ("config", "config", "{}"), ("kind of work", "kind", "{}"),
+    ("compiled", "compiled", "{}"),
+    ("ms/step", "ms", "{:.2f}"), ("share", "share", "{:.1%}"),
+]
+
+
+def step_kind(name: str) -> str:
+    """The kind of work of an operation or kernel called ``name`` (``STEP_KINDS``, else
+    "other element-wise and framework")."""
+    name = name.lower()
+    for kind, parts in STEP_KINDS:
+        if any(part in name for part in parts):
+            return kind
+    return "other element-wise and framework"
+
+
+def kinds_of_work(events, on_gpu: bool, steps: int) -> dict[str, float]:
+    """Seconds a step by kind of work, largest first, from a profiler's ``events``: a
+    GPU's kernels and copies (``on_gpu``), or else the CPU operations' own times."""
+    spent: dict[str, float] = defaultdict(float)
+    for event in events:
+        if on_gpu and event.device_type == DeviceType.CUDA:  # a kernel, or a copy
+            spent[step_kind(event.name)] += event.device_time_total / 1e6 / steps
+        elif not on_gpu and event.device_type == DeviceType.CPU:
+            spent[step_kind(event.name)] += event.self_cpu_time_total / 1e6 / steps
+    return dict(sorted(spent.items(), key=lambda item: -item[1]))
+
+
+def step_profile(config: dict, batch: int, src_len: int, tgt_len: int, device="cpu",
+                 dtype=torch.float32, compile: bool = False, steps: int = 5,
+                 warmup: int = 2, seed: int = 0) -> list[dict]:
+    """Profile ``steps`` training steps of ``make_model`` (``config`` as in
+    ``training_throughput``; through ``torch.compile`` with ``compile``) after
+    ``warmup``. One row per kind of work (``step_kind``), largest first: ``kind``,
+    ``ms`` per step and ``share`` of the step's wall time; then the rest of the wall
+    time ("outside the operations" on a CPU, "device idle" on a GPU). Every row has
+    ``config`` (its name) and ``compiled``; the times are a CPU's own (self) times, or
+    a GPU's kernel times."""
+    device = torch.device(device)
+    sizes = {key: config[key] for key in ("N", "d_model", "d_ff", "h")}
+    torch.manual_seed(seed)
+    model = make_model(config["vocab"], config["vocab"], **sizes,
+                       dropout=config.get("dropout", 0.1)).to(device)
+
+    def forward(src, tgt, pad=0):
+        masks = padding_mask(src, pad), target_mask(tgt, pad)
+        return model.generator(model(src, tgt, *masks))
+
+    step = make_train_step(model, torch.compile(forward) if compile else forward,
+                           *random_batch(config["vocab"], batch, src_len, tgt_len,
+                                         device, seed), dtype)
+    on_gpu = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with compile_settings(device), attention_settings(device):
+        for _ in range(warmup):  # compiling, allocating, choosing kernels
+            step()
+        synchronize(device)
+        with torch.profiler.profile(activities=activities) as profiler:
+            started = time.perf_counter()
+            for _ in range(steps):
+                step()
+            synchronize(device)
+            wall = (time.perf_counter() - started) / steps
+    spent = kinds_of_work(profiler.events(), on_gpu, steps)
+    rest = "device idle" if on_gpu else "outside the operations"
+    spent[rest] = max(0.0, wall - sum(spent.values()))
+    name = config.get("name", f"N={sizes['N']} d={sizes['d_model']}")
+    return [dict(config=name, kind=kind, ms=1e3 * seconds, share=seconds / wall,
+                 compiled=compile) for kind, seconds in spent.items()]
 
 
 def shape_sweep(config: dict, shapes: Sequence[tuple[int, int]], device="cpu",

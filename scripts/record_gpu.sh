@@ -128,15 +128,16 @@ session)
     # the share of the time left for each section (BENCH_PARTS, "SECTIONS:PERCENT,..."; "decoding@N": the decoding
     # section at batch size N alone). Decoding compiles a step for each batch and length: on one H100 the section
     # took 110 s at batch 1 and 83 s at batch 64 (gpu-h100-2026-11-26), more than one part of a short loan. The
-    # default runs what no GPU has measured yet: the shapes section (cuDNN's attention on batches of changing
-    # shapes) and the training step, compiled, with the training loop's attention settings. Decoding
-    # (gpu-h100-2026-11-26), attention and layers (gpu-h200-2026-11-26) are recorded: at most 8 files come back
-    IFS=, read -r -a parts <<<"${BENCH_PARTS:-shapes:40,training:100}"
+    # default runs what no GPU has measured yet: the profile of the training step, eager and compiled (where its
+    # time goes), the shapes section (cuDNN's attention on batches of changing shapes) and the training step,
+    # compiled, with the training loop's attention settings. Decoding (gpu-h100-2026-11-26), attention and layers
+    # (gpu-h200-2026-11-26) are recorded: at most 8 files come back
+    IFS=, read -r -a parts <<<"${BENCH_PARTS:-profile:30,shapes:40,training:100}"
     for part in "${parts[@]}"; do
         sections=${part%:*} limit=$(($(left) * ${part##*:} / 100))
         if [ "$limit" -lt 5 ]; then note "bench $sections: no time left"; continue; fi
         options=() name=${sections// /_}
-        if [ "$sections" = training ]; then options=(--compile); fi
+        if [ "$sections" = training ] || [ "$sections" = profile ]; then options=(--compile); fi
         if [[ $sections == *@* ]]; then
             options=(--batch-sizes "${sections#*@}") name="${sections%@*}_batch${sections#*@}"
             sections=${sections%@*}

@@ -88,7 +88,7 @@ def test_smoke_command_prints_every_table_and_saves_json(tmp_path) -> None:
     assert row["tokens"] == row["batch"] * row["tgt_len"]
 
 
-def test_the_command_runs_every_section_but_shapes_unless_told(monkeypatch) -> None:
+def test_the_command_runs_every_section_but_shapes_and_profile_unless_told(monkeypatch) -> None:
     import annotated_transformer.bench as bench
     from annotated_transformer.cli import main
 
@@ -96,7 +96,7 @@ def test_the_command_runs_every_section_but_shapes_unless_told(monkeypatch) -> N
     monkeypatch.setattr(bench, "run", lambda **kwargs: asked.append(kwargs) or 0)
     assert main(["bench", "--smoke"]) == 0 and main(["bench", "--only", "decoding", "shapes"]) == 0
     assert [tuple(kwargs["sections"]) for kwargs in asked] == [DEFAULT_SECTIONS, ("decoding", "shapes")]
-    assert set(SECTIONS) - set(DEFAULT_SECTIONS) == {"shapes"}
+    assert set(SECTIONS) - set(DEFAULT_SECTIONS) == {"shapes", "profile"}
 
 
 def test_command_line_refuses_a_missing_device_and_unknown_sections(capsys) -> None:
@@ -339,3 +339,97 @@ def test_precision_overrules_the_devices_by_the_runtimes_rules(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert err.startswith("error: fp16 on a CPU is refused") and err.count("\n") == 1, err
     assert not (tmp_path / "fp16.json").exists()
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("aten::addmm", "matrix products"), ("aten::mm", "matrix products"), ("aten::bmm", "matrix products"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matrix products"),
+    ("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT", "matrix products"),          # cuBLASLt on an H100
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", "matrix products"),
+    ("triton_tem_fused_mm_0", "matrix products"),                              # a compiled product
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention (fused)"),         # not a product: attention first
+    ("aten::_scaled_dot_product_efficient_attention", "attention (fused)"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, float>", "softmax and loss"),
+    ("triton_red_fused__log_softmax_nll_loss_forward_3", "softmax and loss"),
+    ("aten::nll_loss2d_forward", "softmax and loss"),
+    ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>", "optimiser"),
+    ("Optimizer.step#Adam.step", "optimiser"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>", "layer norm"),
+    ("triton_poi_fused_add_native_dropout_1", "compiled code"),               # fused: no single kind
+    ("## Call CompiledFxGraph fuqa2vw35mih7z2i3p5jnjijh5vc6p3txokseapj7mjlkils62kg ##", "compiled code"),
+    ("aten::bernoulli_", "dropout masks"), ("aten::native_dropout", "dropout masks"),
+    ("Memcpy HtoD (Pageable -> Device)", "copies and fills"), ("aten::copy_", "copies and fills"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "copies and fills"),
+    ("aten::mul", "other element-wise and framework"), ("aten::view", "other element-wise and framework"),
+])
+def test_step_kind_names_the_work_of_cpu_operations_and_gpu_kernels(name, kind) -> None:
+    from annotated_transformer.performance import step_kind
+    assert step_kind(name) == kind
+
+
+def test_kinds_of_work_sums_gpu_kernels_or_cpu_self_times_per_step() -> None:
+    from types import SimpleNamespace
+    from torch.autograd import DeviceType
+    from annotated_transformer.performance import kinds_of_work
+
+    def event(name, device, own_cpu_us, device_us):
+        return SimpleNamespace(name=name, device_type=device, self_cpu_time_total=own_cpu_us,
+                               device_time_total=device_us)
+
+    events = [event("aten::addmm", DeviceType.CPU, 30.0, 900.0),            # the op: its kernels are counted apart
+              event("nvjet_hsh_128x256", DeviceType.CUDA, 0.0, 800.0),
+              event("sm90_xmma_gemm_bf16", DeviceType.CUDA, 0.0, 400.0),
+              event("Memset (Device)", DeviceType.CUDA, 0.0, 100.0),
+              event("aten::mul", DeviceType.CPU, 500.0, 0.0)]
+    # two steps: microseconds over 2, in seconds
+    assert kinds_of_work(events, on_gpu=True, steps=2) == pytest.approx(
+        {"matrix products": 600e-6, "copies and fills": 50e-6})
+    on_cpu = kinds_of_work(events, on_gpu=False, steps=2)
+    assert on_cpu == pytest.approx({"other element-wise and framework": 250e-6, "matrix products": 15e-6})
+    assert list(on_cpu) == ["other element-wise and framework", "matrix products"]  # largest first
+
+
+def test_step_profile_accounts_for_a_cpu_step_by_kinds_of_work() -> None:
+    """The rows (largest first, then the rest of the wall time) add up to the step (compiled: the next test)."""
+    compile = False
+    from annotated_transformer.performance import step_profile
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = step_profile(dict(name="tiny", N=1, d_model=16, d_ff=32, h=2, vocab=50), 4, 6, 6, steps=2,
+                            warmup=1, compile=compile)
+    finally:
+        torch.set_num_threads(threads)
+    kinds = [row["kind"] for row in rows]
+    assert kinds[-1] == "outside the operations" and len(set(kinds)) == len(kinds)
+    assert all(row["config"] == "tiny" and row["compiled"] == compile and row["ms"] >= 0 for row in rows)
+    assert [row["ms"] for row in rows[:-1]] == sorted((row["ms"] for row in rows[:-1]), reverse=True)
+    step_ms = sum(row["ms"] for row in rows)
+    assert sum(row["share"] for row in rows) == pytest.approx(1, abs=0.05)
+    assert all(row["share"] == pytest.approx(row["ms"] / step_ms, rel=0.05, abs=1e-3) for row in rows)
+    assert {"matrix products", "optimiser"} <= set(kinds)
+    assert ("compiled code" in kinds) == compile
+
+
+def test_the_profile_section_runs_on_request_eager_and_compiled(tmp_path) -> None:
+    out = tmp_path / "profile.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "annotated_transformer", "bench", "--smoke", "--device", "cpu", "--threads", "1",
+         "--only", "profile", "--compile", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert TABLES["profile"][0] in result.stdout.splitlines()
+    rows = json.loads(out.read_text())["profile"]
+    assert {row["compiled"] for row in rows} == {False, True}
+    for compiled in (False, True):
+        kinds = [row["kind"] for row in rows if row["compiled"] == compiled]
+        assert kinds[-1] == "outside the operations" and ("compiled code" in kinds) == compiled
+
+
+@pytest.mark.cuda
+def test_step_profile_reads_a_gpus_kernels() -> None:
+    from annotated_transformer.performance import step_profile
+    rows = step_profile(dict(N=1, d_model=64, d_ff=128, h=4, vocab=500), 8, 16, 16, device="cuda",
+                        dtype=torch.bfloat16, steps=2, warmup=1)
+    shares = {row["kind"]: row["share"] for row in rows}
+    assert rows[-1]["kind"] == "device idle" and shares["matrix products"] > 0 and shares["optimiser"] > 0
+    assert sum(shares.values()) == pytest.approx(1, abs=0.05)

@@ -97,11 +97,8 @@ else:
 """
 
 
-def test_record_gpu_session_runs_every_part_within_its_time(tmp_path):
-    """The one-call session's own logic, in a few seconds: the package's commands are stood in for, the chapters
-    are two stand-ins run by the real runner. Every part notes its exit status, translation is left out, each
-    benchmark section lands in a file of its own under $OUT and nothing in book/results/, a section that hangs is
-    stopped at its share of the time and stops nothing else, and at most 8 files come back."""
+def dry_session(tmp_path, **env):
+    """`record_gpu.sh session 24` with the stand-in interpreter and two stand-in chapters; $OUT is tmp_path/out."""
     python = tmp_path / "python"
     python.write_text(STAND_IN.format(python=sys.executable))
     python.chmod(0o755)
@@ -109,11 +106,19 @@ def test_record_gpu_session_runs_every_part_within_its_time(tmp_path):
     chapters.mkdir()
     (chapters / "01_good.py").write_text("print('a chapter')\n")
     (chapters / "16_translation.py").write_text("raise SystemExit('the session leaves translation out')\n")
+    return run_script("bash", str(SCRIPTS / "record_gpu.sh"), "session", "24", timeout=120, env={
+        "PYTHON": str(python), "OUT": str(tmp_path / "out"), "AT_DEVICE": "cpu", "CHAPTER_DIR": str(chapters),
+        "ANNOTATED_TRANSFORMER_DATA": str(tmp_path), **env})
+
+
+def test_record_gpu_session_runs_every_part_within_its_time(tmp_path):
+    """The one-call session's own logic, in a few seconds: the package's commands are stood in for, the chapters
+    are two stand-ins run by the real runner. Every part notes its exit status, translation is left out, each
+    benchmark section lands in a file of its own under $OUT and nothing in book/results/, a section that hangs is
+    stopped at its share of the time and stops nothing else, and at most 8 files come back."""
     out = tmp_path / "out"
     before = sorted((ROOT / "book" / "results").rglob("*"))
-    done = run_script("bash", str(SCRIPTS / "record_gpu.sh"), "session", "24", timeout=120, env={
-        "PYTHON": str(python), "OUT": str(out), "AT_DEVICE": "cpu", "CHAPTER_DIR": str(chapters),
-        "ANNOTATED_TRANSFORMER_DATA": str(tmp_path), "BENCH_PARTS": "decoding@1:50,decoding:50,training:55,attention layers:100"})
+    done = dry_session(tmp_path, BENCH_PARTS="decoding@1:50,decoding:50,training:55,attention layers:100")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = (out / "environment.txt").read_text()
     for part in ("CUDA tests: exit 0", "chapters: exit 0", "copy task: exit 0, copy exact-match",
@@ -129,3 +134,18 @@ def test_record_gpu_session_runs_every_part_within_its_time(tmp_path):
     assert not (out / "bench_training.json").exists()
     assert sorted((ROOT / "book" / "results").rglob("*")) == before
     assert len(list(out.iterdir())) <= 8, sorted(out.iterdir())  # what a short GPU loan brings back
+
+
+def test_record_gpu_sessions_default_benchmark_profiles_the_step_first(tmp_path):
+    """Without BENCH_PARTS: the step's profile (eager and compiled), the shapes, then the compiled training step
+    (which hangs in the stand-in and is stopped); each lands in a file of its own, at most 8 come back."""
+    done = dry_session(tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out"
+    log = (out / "environment.txt").read_text()
+    for part in ("bench profile --compile: exit 0", "bench shapes: exit 0", "bench training --compile: exit 124"):
+        assert part in log, log
+    assert log.index("bench profile") < log.index("bench shapes") < log.index("bench training")
+    profile = json.loads((out / "bench_profile.json").read_text())
+    assert set(profile) == {"meta", "profile"} and "--compile" in profile["meta"]["command"].split()
+    assert len(list(out.iterdir())) <= 8, sorted(out.iterdir())
