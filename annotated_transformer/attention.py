@@ -92,13 +92,28 @@ def check_mask(mask, batch, queries, keys):
     return mask.unsqueeze(1)
 
 
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None = None,
+                    dropout_p: float = 0.0) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)``;
+    on a CPU, 16-bit inputs are computed in float32 and the output cast back (PyTorch's
+    fused CPU kernel can be slower in bfloat16; the attention chapter measures it)."""
+    if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
+        with torch.autocast("cpu", enabled=False):  # autocast would cast back
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                 attn_mask=mask, dropout_p=dropout_p)
+        return out.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
 class MultiHeadedAttention(nn.Module):
     """Multi-head attention (section 3.2.2) with h heads of size d_k = d_model / h.
 
     ``forward(query, key, value, mask=None, cache=None)`` takes (B, T, d_model) queries,
     (B, S, d_model) keys and values, and a bool mask of shape (B, 1, S) or (B, T, S)
     (True = may attend); it returns (B, T, d_model). The default path calls
-    ``F.scaled_dot_product_attention`` (fused kernels). Set ``record_attention = True``
+    ``F.scaled_dot_product_attention`` (fused kernels, through ``fused_attention``). Set
+    ``record_attention = True``
     to use the explicit ``attention`` instead and keep the weights, (B, h, T, S), in
     ``attention_weights``.
     """
@@ -165,7 +180,7 @@ class MultiHeadedAttention(nn.Module):
             self.attention_weights = weights.detach()
         else:
             p = self.dropout.p if self.training else 0.0
-            x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            x = fused_attention(q, k, v, mask, dropout_p=p)  # F.sdpa (see below)
             if mask is not None:  # not every kernel gives zeros for a query with no key
                 x = x.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
         return self.w_o(x.transpose(1, 2).reshape(batch, length, self.d_model))

@@ -692,3 +692,48 @@ def test_attention_rejects_integer_tensors(dtype, which):
     tensors[which] = torch.ones(1, 2, 4, dtype=dtype)
     with pytest.raises(TypeError, match=f"{which} must be floating point"):
         attention(tensors["query"], tensors["key"], tensors["value"])
+
+
+def test_fused_attention_computes_16_bits_on_a_cpu_in_float32_and_returns_16_bits():
+    """On a CPU, bf16 (and fp16) inputs go to the fused kernel as float32, outside autocast, and the output comes
+    back in the inputs' dtype; float32 inputs take PyTorch's own call unchanged."""
+    from annotated_transformer.attention import fused_attention
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    assert torch.equal(fused_attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    for dtype in (torch.bfloat16, torch.float16):
+        low = [x.to(dtype) for x in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # as in a bf16 training step: autocast is switched off
+            out = fused_attention(*low, mask)
+        exact = F.scaled_dot_product_attention(*(x.float() for x in low), attn_mask=mask)
+        assert out.dtype == dtype and torch.equal(out, exact.to(dtype))
+
+
+def test_fused_attention_passes_gradients_and_dropout_in_16_bits():
+    from annotated_transformer.attention import fused_attention
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    fused_attention(q, k, v).float().sum().backward()
+    assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in (q, k, v))
+    torch.manual_seed(1)
+    dropped = fused_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(1)
+    again = fused_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(dropped, again) and not torch.equal(dropped, fused_attention(q, k, v))
+
+
+def test_the_module_in_bf16_autocast_on_a_cpu_matches_float32_attention():
+    """A bf16 training step's attention: the module's output equals the explicit path computed in float32 on the
+    same bf16 projections, to bf16's precision."""
+    from annotated_transformer.attention import MultiHeadedAttention
+    torch.manual_seed(0)
+    module = MultiHeadedAttention(4, 32, dropout=0.0)
+    x = torch.randn(3, 7, 32)
+    mask = torch.ones(3, 7, 7, dtype=torch.bool).tril()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = module(x, x, x, mask)
+        module.record_attention = True
+        explicit = module(x, x, x, mask)
+    assert fast.dtype == explicit.dtype == torch.bfloat16
+    assert torch.allclose(fast.float(), explicit.float(), atol=3e-2)
