@@ -232,6 +232,13 @@ def test_the_readmes_figures_come_from_the_record():
     assert claim, "the README no longer quotes the laptop command's second seed"
     assert float(claim.group(1)) == seeded["test"]["beam_tuned"]["bleu"]
     assert seeded["changed"] == ["seed"] and seeded["config"]["seed"] == 1
+    faster = json.loads((ROOT / "book" / "results" / "multi30k-laptop-clocked-attention.json").read_text("utf-8"))
+    claim = re.search(r"the same command ran ([\d,]+) steps in the (\d+) minutes and\s+scored ([\d.]+)\s+"
+                      r"\(`book/results/multi30k-laptop-clocked-attention.json`\)", readme)
+    assert claim, "the README no longer quotes the command's run with the attention in float32"
+    assert int(claim.group(1).replace(",", "")) == faster["history"]["step"][-1]
+    assert int(claim.group(2)) == round(faster["train_seconds"] / 60) and faster["changed"] == []
+    assert float(claim.group(3)) == faster["test"]["beam_tuned"]["bleu"]
     assert (ROOT / "docs" / "translator.png").is_file()
     gpu = json.loads((ROOT / "book" / "results" / "multi30k-full.json").read_text(encoding="utf-8"))
     claim = re.search(r"([\d.]+) BLEU on Multi30k test2016 with\s+beam search after ([\d.]+) minutes of "
