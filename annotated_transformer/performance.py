@@ -100,6 +100,25 @@ def random_batch(
     return src.to(device), tgt.to(device)
 
 
+def teacher_forced(model: nn.Module, pad: int = 0) -> Callable:
+    """``forward(src, tgt)`` for a training step of ``model`` (an encoder-decoder of
+    ``make_model``): its masks for padding id ``pad``, the model, then its generator;
+    log-probabilities (B, T, vocab), as ``TorchTransformer`` returns them."""
+
+    def forward(src, tgt):
+        masks = padding_mask(src, pad), target_mask(tgt, pad)
+        return model.generator(model(src, tgt, *masks))
+
+    return forward
+
+
+def model_sizes(config: dict) -> dict:
+    """The sizes of ``make_model`` in a benchmark's ``config``: ``N, d_model, d_ff, h``
+    and ``dropout`` (0.1 unless the configuration says otherwise)."""
+    sizes = {key: config[key] for key in ("N", "d_model", "d_ff", "h")}
+    return {**sizes, "dropout": config.get("dropout", 0.1)}
+
+
 def autocast(device, dtype):
     """bf16/fp16 autocast for a lower-precision ``dtype``; a context that does nothing
     for float32."""
@@ -231,21 +250,14 @@ def training_throughput(config: dict, batch: int, src_len: int, tgt_len: int,
     compiled/ours eager), each above 1 when the first is faster; the FLOPs per step.
     """
     device = torch.device(device)
-    sizes = {key: config[key] for key in ("N", "d_model", "d_ff", "h")}
-    sizes["dropout"] = config.get("dropout", 0.1)
-    vocab = config["vocab"]
+    sizes, vocab = model_sizes(config), config["vocab"]
     torch.manual_seed(seed)
     ours = make_model(vocab, vocab, **sizes).to(device)
     torch.manual_seed(seed)
     theirs = TorchTransformer(vocab, vocab, **sizes).to(device)
     src, tgt = random_batch(vocab, batch, src_len, tgt_len, device, seed)
-
-    def ours_forward(src, tgt, pad=0):
-        masks = padding_mask(src, pad), target_mask(tgt, pad)
-        return ours.generator(ours(src, tgt, *masks))
-
     step_fns = {}
-    for name, model, forward in (("ours", ours, ours_forward),
+    for name, model, forward in (("ours", ours, teacher_forced(ours)),
                                  ("torch", theirs, theirs)):
         step_fns[name] = make_train_step(model, forward, src, tgt, dtype)
         if compile:  # the same model and batch; its first (untimed) call compiles
@@ -334,15 +346,10 @@ def step_profile(config: dict, batch: int, src_len: int, tgt_len: int, device="c
     ``config`` (its name) and ``compiled``; the times are a CPU's own (self) times, or
     a GPU's kernel times."""
     device = torch.device(device)
-    sizes = {key: config[key] for key in ("N", "d_model", "d_ff", "h")}
+    sizes = model_sizes(config)
     torch.manual_seed(seed)
-    model = make_model(config["vocab"], config["vocab"], **sizes,
-                       dropout=config.get("dropout", 0.1)).to(device)
-
-    def forward(src, tgt, pad=0):
-        masks = padding_mask(src, pad), target_mask(tgt, pad)
-        return model.generator(model(src, tgt, *masks))
-
+    model = make_model(config["vocab"], config["vocab"], **sizes).to(device)
+    forward = teacher_forced(model)
     step = make_train_step(model, torch.compile(forward) if compile else forward,
                            *random_batch(config["vocab"], batch, src_len, tgt_len,
                                          device, seed), dtype)
@@ -376,18 +383,14 @@ def shape_sweep(config: dict, shapes: Sequence[tuple[int, int]], device="cpu",
     default kernels twice. One row a pass: ``attention``, ``pass``, ``shapes``, ``ms``
     (per step) and ``seconds`` (the pass)."""
     device = torch.device(device)
-    sizes = {key: config[key] for key in ("N", "d_model", "d_ff", "h")}
     torch.manual_seed(seed)
-    model = make_model(config["vocab"], config["vocab"], **sizes).to(device)
-
-    def forward(src, tgt, pad=0):
-        masks = padding_mask(src, pad), target_mask(tgt, pad)
-        return model.generator(model(src, tgt, *masks))
-
+    vocab = config["vocab"]
+    model = make_model(vocab, vocab, **model_sizes(config)).to(device)
+    forward = teacher_forced(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98),
                                  eps=1e-9, fused=device.type in ("cpu", "cuda"))
     steps = [make_train_step(model, forward, *random_batch(
-        config["vocab"], rows, length, length, device, seed + i), dtype,
+        vocab, rows, length, length, device, seed + i), dtype,
         optimizer=optimizer) for i, (rows, length) in enumerate(shapes)]
     rows = []
     for name, settings in (("without cuDNN", attention_settings), ("default", None)):

@@ -33,11 +33,14 @@ from annotated_transformer.performance import (
     TorchTransformer,
     decoding_throughput,
     mfu,
+    model_sizes,
     online_softmax_attention,
     peak_flops,
+    teacher_forced,
     train_step_flops,
     training_throughput,
 )
+from annotated_transformer.masks import padding_mask, target_mask
 from annotated_transformer.model import make_model
 from annotated_transformer.runtime import choose_precision
 
@@ -267,6 +270,23 @@ def test_torch_reference_has_the_same_parameters_and_outputs_log_probabilities()
     log_probs = theirs(src, tgt)
     assert log_probs.shape == (3, 5, 60)
     torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(3, 5))
+
+
+def test_teacher_forced_masks_the_padding_and_returns_the_generators_log_probabilities() -> None:
+    config = dict(N=1, d_model=16, d_ff=32, h=2, vocab=30, dropout=0.0, name="ignored")
+    assert model_sizes(config) == dict(N=1, d_model=16, d_ff=32, h=2, dropout=0.0)
+    assert model_sizes({k: v for k, v in config.items() if k != "dropout"})["dropout"] == 0.1
+    torch.manual_seed(0)
+    model = make_model(30, 30, **model_sizes(config)).eval()
+    src = torch.tensor([[5, 6, 7, 8], [8, 9, 3, 3]])  # the second padded with id 3
+    tgt = torch.tensor([[1, 4, 5], [1, 6, 3]])
+    masks = padding_mask(src, 3), target_mask(tgt, 3)
+    expected = model.generator(model(src, tgt, *masks))
+    torch.testing.assert_close(teacher_forced(model, pad=3)(src, tgt), expected)
+    # with another padding id the masks differ, and so does the second sentence
+    other = teacher_forced(model, pad=0)(src, tgt)
+    torch.testing.assert_close(other[0], expected[0])
+    assert not torch.allclose(other[1], expected[1])
 
 
 def test_format_table_marks_missing_values() -> None:
