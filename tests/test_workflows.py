@@ -239,6 +239,15 @@ def test_the_readmes_figures_come_from_the_record():
     assert int(claim.group(1).replace(",", "")) == faster["history"]["step"][-1]
     assert int(claim.group(2)) == round(faster["train_seconds"] / 60) and faster["changed"] == []
     assert float(claim.group(3)) == faster["test"]["beam_tuned"]["bleu"]
+    faster_seeded = json.loads(
+        (ROOT / "book" / "results" / "multi30k-laptop-clocked-attention-seed1.json").read_text("utf-8"))
+    claim = re.search(r"with `--seed 1`, ([\d,]+) steps and ([\d.]+)\s+"
+                      r"\(`book/results/multi30k-laptop-clocked-attention-seed1.json`\)", readme)
+    assert claim, "the README no longer quotes the second seed with the attention in float32"
+    assert int(claim.group(1).replace(",", "")) == faster_seeded["history"]["step"][-1]
+    assert float(claim.group(2)) == faster_seeded["test"]["beam_tuned"]["bleu"]
+    assert faster_seeded["changed"] == ["seed"] and faster_seeded["config"]["seed"] == 1
+    assert faster_seeded["valid_loss_averaged"] < seeded["valid_loss_averaged"]  # "a lower validation loss"
     assert (ROOT / "docs" / "translator.png").is_file()
     gpu = json.loads((ROOT / "book" / "results" / "multi30k-full.json").read_text(encoding="utf-8"))
     claim = re.search(r"([\d.]+) BLEU on Multi30k test2016 with\s+beam search after ([\d.]+) minutes of "
