@@ -25,7 +25,7 @@ def test_chapters_become_scripts_with_future_imports_at_the_top(tmp_path):
                       "masking")
     assert done.returncode == 0, done.stderr
     scripts = sorted(tmp_path.glob("*.py"))
-    assert [path.name for path in scripts] == ["02_masking.py", "21_appendix_runtime.py"]
+    assert [path.name for path in scripts] == ["02_masking.py", "22_appendix_runtime.py"]
     for path in scripts:
         source = path.read_text()
         code = [line for line in source.splitlines() if line and not line.startswith("#")]
