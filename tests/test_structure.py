@@ -28,6 +28,7 @@ MAX_MODULE_LINES = 350
 MAX_CELL_LINES = 60
 MAX_EXPORT_BEFORE_USE = 100      # lines of exported code a teaching chapter may show before it runs anything
 MAX_COLUMNS = 88                 # the site's code column (DESIGN.md, "Style")
+MAX_PROSE_COLUMNS = 120          # the chapters' prose source, wrapped at 118: a diff or an editor shows it whole
 
 # These tests read the chapters with jupytext, a build tool: where it is missing (a plain GPU machine running
 # `pytest -m cuda`), the module is skipped rather than stopping the collection of every other test.
@@ -304,6 +305,30 @@ def test_chapter_code_fits_the_page():
                 if len(line) > MAX_COLUMNS:
                     problems.append(f"{chapter}:{cell.line + offset}: {len(line)} columns, more than {MAX_COLUMNS}")
     assert not problems, report(problems, "lines of chapter code too wide for the page")
+
+
+def prose_lines(chapter: str):
+    """(line number, line) for each line of the chapter's text outside its front matter, its fenced blocks (code
+    cells, directives, display listings) and its tables, whose rows Markdown cannot wrap."""
+    lines = (ROOT / chapter).read_text(encoding="utf-8").splitlines()
+    fence, start = None, 0
+    if lines and lines[0] == "---":
+        start = lines.index("---", 1) + 1
+    for number, line in enumerate(lines[start:], start + 1):
+        marker = re.match(r"(`{3,}|~{3,}|:{3,})", line.strip())
+        if marker:
+            fence = marker.group(1) if fence is None else (None if line.strip() == fence else fence)
+        elif fence is None and not line.lstrip().startswith("|"):
+            yield number, line
+
+
+def test_chapter_prose_is_wrapped():
+    """Prose lines stay within MAX_PROSE_COLUMNS, so that a review reads a changed paragraph without scrolling;
+    only line breaks are at stake (Markdown joins a paragraph's lines), so rewrapping never changes the page."""
+    problems = [f"{chapter}:{number}: {len(line)} columns, more than {MAX_PROSE_COLUMNS}"
+                for chapter in chapters() for number, line in prose_lines(chapter)
+                if len(line) > MAX_PROSE_COLUMNS]
+    assert not problems, report(problems, "lines of prose to rewrap")
 
 
 def test_teaching_chapters_run_something_before_much_exported_code():
