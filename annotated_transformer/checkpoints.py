@@ -206,8 +206,10 @@ def load_checkpoint(
 ) -> dict:
     """Read (``weights_only``) and verify a checkpoint; a fault: one CheckpointError."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
+    if not path.is_file():  # a run's folder: name a file in it
+        hint = (f": it is a folder; name a checkpoint in it, such as "
+                f"{path / 'average.pt'}") if path.is_dir() else ""
+        raise FileNotFoundError(f"no checkpoint at {path}{hint}")
     VERIFIED.pop(path.resolve(), None)
     stamp = file_stamp(path)
     checkpoint = read_checkpoint_file(path, map_location)

@@ -733,7 +733,7 @@ def run_evaluate(args) -> int:
 def add_download_model(subparsers) -> None:
     parser = subparsers.add_parser("download-model", help=COMMANDS["download-model"][0])
     parser.add_argument("--url", required=True, help=f"the release, as {RELEASE_URL}")
-    parser.add_argument("--model-dir", type=Path, default=Path("runs/downloaded"),
+    parser.add_argument("--model-dir", default="runs/downloaded",  # str: "" is refused
                         help="the folder to save it in (default: runs/downloaded)")
     parser.set_defaults(run=run_download_model)
 

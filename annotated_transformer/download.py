@@ -84,11 +84,14 @@ def download(
     handle, temporary = tempfile.mkstemp(
         dir=destination.parent, prefix=f".{name}.", suffix=".part"
     )
-    if fcntl is not None:
-        # "a live download writes this file"
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
-        # open (and locked) until the rename
+        if fcntl is not None:
+            # "a live download writes this file"
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes 0600; open() would not
+        # open (and locked) until the rename, where a lock holds it
         with os.fdopen(handle, "wb") as stream:
             with urllib.request.urlopen(url, timeout=60) as response:
                 size, received = response.headers.get("Content-Length"), 0
@@ -107,6 +110,8 @@ def download(
                     f"it is corrupt or not {'the Multi30k ' * (expected is None)}"
                     f"{name}, and nothing was saved to {destination}{advice}"
                 )
+            if fcntl is None:
+                stream.close()  # Windows renames no file that is open
             os.replace(temporary, destination)
     finally:
         if os.path.exists(temporary):
@@ -119,7 +124,7 @@ def abandoned(part: Path, older_than: float = STALE_PART_SECONDS) -> bool:
     locks, it is old)."""
     if fcntl is None:
         return time.time() - part.stat().st_mtime > older_than
-    with open(part, "rb") as stream:
+    with open(part, "r+b") as stream:  # NFS locks only a file open for writing
         try:
             fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -174,8 +179,8 @@ def fetch(
         return verify(path, name)
     try:
         return download(url + name, path, name)
-    except (urllib.error.URLError, OSError) as error:
-        raise FileNotFoundError(
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
+        raise FileNotFoundError(  # HTTPException: a response cut off in the middle
             f"could not download {name} from {url}{name} ({error}); without a network, "
             f"download it elsewhere and put it in a folder named by {DATA_ENV}, or in "
             f"{path.parent}"
@@ -212,7 +217,8 @@ def read_parallel(source, reference, read_file) -> list[tuple[str, str]]:
     references = read_stream(reference, read_file)
     if len(sources) != len(references):
         raise ValueError(f"{source} has {len(sources)} lines but {reference} has "
-                         f"{len(references)}: a test set has a reference a source")
+                         f"{len(references)}: a test set has one reference per "
+                         "source sentence")
     if not sources:
         raise ValueError(f"{source} is empty: there is nothing to evaluate")
     for number, (german, english) in enumerate(zip(sources, references), start=1):
@@ -316,8 +322,10 @@ def error_line(error: Exception, args) -> str:
     files = {f"{value} (--{dest.replace('_', '-')})": dest in OUTPUTS
              for dest, value in given.items() if dest in {*OUTPUTS, *INPUTS}}
     message = os_error_line(error, files) if isinstance(error, OSError) else error
-    if isinstance(error, RuntimeError):
-        message = f"out of memory for the sizes asked for ({error})"
+    bare = isinstance(error, MemoryError) and not str(error)  # Python's own: no text
+    if isinstance(error, RuntimeError) or bare:
+        why = "MemoryError" if bare else error
+        message = f"out of memory for the sizes asked for ({why})"
     return "error: " + " ".join(str(message).splitlines())
 
 
@@ -347,11 +355,13 @@ def download_model(url: str, folder) -> dict[str, Path]:
     url, folder = url if url.endswith("/") else url + "/", Path(folder)
     try:
         with urllib.request.urlopen(url + MODEL_SUMS, timeout=60) as response:
-            sums = read_sums(response.read(1 << 16).decode(), url + MODEL_SUMS)
+            text = response.read(1 << 16).decode()
     except (urllib.error.URLError, OSError, http.client.HTTPException,
-            UnicodeDecodeError) as error:
+            UnicodeDecodeError, ValueError) as error:  # ValueError: not a URL at all
         raise FileNotFoundError(f"could not read {url}{MODEL_SUMS} ({error}); is "
-                                f"{url} a release of the translator?") from error
+                                f"{url} a release of the translator, a folder URL such "
+                                f"as {RELEASE_URL}?") from error
+    sums = read_sums(text, url + MODEL_SUMS)
     fetched = {}
     for name in MODEL_FILES:
         path = folder / name

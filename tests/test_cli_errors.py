@@ -240,7 +240,8 @@ IN_PROCESS = [
      None),
     ("translate-penalty-unknown", translate("--penalty", "cubic"), "argument --penalty: invalid choice: 'cubic'",
      None),
-    ("translate-checkpoint-a-folder", ["translate", "--checkpoint", "a_folder"], "no checkpoint at a_folder", b""),
+    ("translate-checkpoint-a-folder", ["translate", "--checkpoint", "a_folder"],
+     "no checkpoint at a_folder: it is a folder; name a checkpoint in it, such as a_folder/average.pt", b""),
     ("translate-checkpoint-not-a-checkpoint", ["translate", "--checkpoint", "a_file.txt"], "a_file.txt", b""),
     ("translate-input-missing", translate("--input", "missing.txt"), "no file at missing.txt", None),
     ("translate-input-empty", translate("--input", "empty.txt"), "empty.txt is empty", None),
@@ -460,6 +461,7 @@ def test_a_bug_of_ours_keeps_its_traceback(monkeypatch, bug) -> None:
 @pytest.mark.parametrize("error, expected", [
     (ValueError("bad value\nsecond line"), "error: bad value second line"),
     (MemoryError("the model (src_vocab=9) has about"), "error: the model (src_vocab=9) has about"),
+    (MemoryError(), "error: out of memory for the sizes asked for (MemoryError)"),  # Python's own: no text
     (OSError(28, "No space left on device"), "error: No space left on device, writing standard output"),
     (OSError(28, "No space left on device", "run/.average.pt.ab12cd.tmp"),
      "error: run/average.pt: No space left on device"),

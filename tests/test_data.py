@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import http.client
 import os
 import subprocess
 import sys
@@ -122,6 +123,23 @@ def test_download_from_a_url_is_verified_and_cached(tmp_path, offline):
 
 
 @needs_data
+@pytest.mark.parametrize("locks", [True, False])
+def test_a_download_is_readable_as_an_ordinary_file_with_or_without_locks(tmp_path, offline, monkeypatch, locks):
+    """The file gets the mode that open() would give (mkstemp makes 0600, unreadable to others sharing the
+    cache), also on the branch without fcntl (Windows), which closes the file before its rename."""
+    if not locks:
+        monkeypatch.setattr(download, "fcntl", None)
+    server = tmp_path / "server"
+    server.mkdir()
+    (server / "val.en.gz").write_bytes((FOLDER / "val.en.gz").read_bytes())
+    umask = os.umask(0o022)
+    os.umask(umask)
+    path = fetch("val.en.gz", url=server.as_uri() + "/")
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert files_in(offline) == ["val.en.gz"]
+
+
+@needs_data
 def test_corrupted_download_writes_nothing(tmp_path, offline):
     server = tmp_path / "server"
     server.mkdir()
@@ -145,7 +163,11 @@ def test_offline_message_says_what_to_do(offline, monkeypatch):
     assert files_in(offline) == []
 
 
-def test_interrupted_download_leaves_no_partial_file(offline, monkeypatch):
+@pytest.mark.parametrize("failure", [
+    ConnectionResetError("connection reset by peer"),
+    http.client.IncompleteRead(b""),  # a chunked response cut off: not an OSError
+])
+def test_interrupted_download_leaves_no_partial_file(offline, monkeypatch, failure):
     class Broken:
         headers = {}  # no Content-Length
 
@@ -155,7 +177,7 @@ def test_interrupted_download_leaves_no_partial_file(offline, monkeypatch):
         def read(self, size):
             self.calls += 1
             if self.calls > 2:
-                raise ConnectionResetError("connection reset by peer")
+                raise failure
             return b"x" * size
 
         def __enter__(self):

@@ -64,4 +64,16 @@ def test_download_model_refuses_bytes_that_differ_in_one_line(release, tmp_path)
 def test_download_model_without_a_release_says_so(tmp_path):
     done = download("http://127.0.0.1:9/", tmp_path / "model")
     assert done.returncode == 2 and done.stderr.count("\n") == 1
-    assert "is http://127.0.0.1:9/ a release of the translator?" in done.stderr
+    assert "is http://127.0.0.1:9/ a release of the translator" in done.stderr
+
+
+@pytest.mark.parametrize("url, model_dir, expected", [
+    ("notaurl", "model", "error: could not read notaurl/SHA256SUMS (unknown url type"),
+    ("http://127.0.0.1:9/", "", "error: --model-dir is an empty path"),  # "" is not "here"
+])
+def test_download_model_refuses_a_bad_url_or_folder_in_one_line_naming_it(tmp_path, url, model_dir, expected):
+    done = subprocess.run([sys.executable, "-m", "annotated_transformer", "download-model", "--url", url,
+                           "--model-dir", model_dir], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(expected), done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written

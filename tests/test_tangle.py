@@ -200,6 +200,15 @@ def test_write_package_rewrites_only_changed_files(synced: Path, pristine_module
     assert [path.name for path in package.iterdir() if path.name.endswith(".tmp")] == []
 
 
+def test_a_tangled_module_is_readable_by_all_as_open_would_make_it(synced: Path) -> None:
+    """mkstemp makes its file 0600; a module that the tangler rewrote must not become unreadable to others."""
+    edit_chapter(synced)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert write_package(synced, tangle_book(synced)) == [MODULE]
+    assert (synced / MODULE).stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_interrupted_write_keeps_the_old_module(synced: Path, monkeypatch) -> None:
     """The new text goes to a temporary file that replaces the module only when complete."""
     before = (synced / MODULE).read_bytes()
