@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
@@ -239,6 +241,21 @@ def format_tables(results: dict) -> str:
 MAX_THREADS_PER_CPU = 4  # the most threads `--threads` may ask for, per CPU
 
 
+def check_json_path(path) -> None:
+    """Refuse to replace a file at ``path`` that is not a benchmark's record (a
+    translation run's, say): another kind of record is never replaced."""
+    if path is None or not Path(path).is_file():
+        return
+    try:
+        old = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        old = None
+    if not (isinstance(old, dict) and isinstance(old.get("meta"), dict)
+            and "device_name" in old["meta"]):
+        raise ValueError(f"--json {path} exists and is not a benchmark's record: name "
+                         "a new file, or delete this one first")
+
+
 def run(
     smoke: bool = False,
     device=None,
@@ -255,6 +272,7 @@ def run(
     device's precision of training, by the runtime's rules."""
     if batch_sizes and min(batch_sizes) < 1:
         raise ValueError(f"--batch-sizes must be positive, got {list(batch_sizes)}")
+    check_json_path(json_path)
     if threads is not None:
         most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)  # far more would only thrash
         if not 1 <= threads <= most:  # (and 100,000 threads crash PyTorch's pool)

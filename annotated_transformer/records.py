@@ -52,10 +52,11 @@ def write_json(path, data) -> Path:
 
 
 def write_results(path, results: dict) -> Path:
-    """Write a run's ``results`` as JSON, without the full lists of hypotheses (kept in
-    memory only)."""
+    """Write a run's ``results`` as JSON, without the ``hypotheses`` of its scores (the
+    record keeps the test translations once, under ``translations``); the rows of the
+    validation sweep, a list, keep theirs for the paired bootstrap."""
     def strip(value):
-        if isinstance(value, dict):
+        if isinstance(value, dict):  # not into lists: the sweep's rows keep theirs
             return {
                 key: strip(item) for key, item in value.items() if key != "hypotheses"
             }
@@ -85,10 +86,14 @@ def thin(history: dict, points: int = 400) -> dict:
 def command_line() -> str | None:
     """This process's command line, if it is this package's command line (for the
     results file)."""
-    if sys.argv and sys.argv[0].endswith(
-        ("annotated_transformer/__main__.py", "annotated-transformer")
-    ):
-        return "python -m annotated_transformer " + shlex.join(sys.argv[1:])
+    script = sys.argv[0].replace("\\", "/") if sys.argv else ""  # Windows's too
+    folder, name = ["", "", *script.split("/")][-2:]
+    arguments = shlex.join(sys.argv[1:])
+    if name.removesuffix(".exe") == "annotated-transformer" or (  # the console script
+            folder == "annotated_transformer" and name == "__main__.py"):
+        return "python -m annotated_transformer " + arguments
+    if folder == "annotated_transformer" and name == "bench.py":
+        return "python -m annotated_transformer bench " + arguments  # the same command
     return None
 
 
@@ -163,8 +168,9 @@ PROTOCOL = {
 
 
 def decoding_sweep(model, tokenizer, pairs, settings=SWEEP, log=print) -> list[dict]:
-    """BLEU, length ratio, time and outputs (``hypotheses``, which a results file leaves
-    out) of each (beam size, length penalty) in ``settings`` on ``pairs``."""
+    """BLEU, length ratio, time and outputs (``hypotheses``, which a record keeps for
+    the paired bootstrap) of each (beam size, length penalty) in ``settings`` on
+    ``pairs``."""
     rows = []
     for beam_size, alpha in settings:
         scores = evaluate_bleu(model, tokenizer, pairs, beam_size=beam_size,
@@ -206,9 +212,16 @@ def recorded_folder(path) -> Path | None:
     ``path``, resolved; None if the file is not such a record."""
     try:
         command = json.loads(Path(path).read_text(encoding="utf-8"))["command"]
+        if not isinstance(command, str):  # shlex.split(None) would read standard input
+            return None
         arguments = shlex.split(command)
-        return Path(arguments[arguments.index("--checkpoint-dir") + 1]).resolve()
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        for option, value in zip(arguments, arguments[1:] + [""]):
+            if option.startswith("--checkpoint-dir="):  # argparse takes both forms
+                option, value = option.split("=", 1)
+            if option == "--checkpoint-dir" and value:
+                return Path(value).resolve()
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -277,6 +290,10 @@ def record_experiment(
     if config.sweep:
         add_tuned_decoding(record, trained, test, log=log)
     record["protocol"] = {name: PROTOCOL[name] for name in record["translations"]}
+    if (config.beam_size, config.length_penalty) != (4, 0.6):  # not the paper's: say so
+        record["protocol"]["beam"] = (
+            f"beam {config.beam_size}, alpha {config.length_penalty}: the run's fixed "
+            "setting (the paper's is beam 4, alpha 0.6), fixed before the run")
     record["bootstrap"] = bleu_bootstrap(test, record["translations"], baseline="beam")
     for name, row in record["bootstrap"].items():
         log(f"  {name}: BLEU {row['bleu']:.2f} +- {row['ci95']:.2f} (95% interval)")

@@ -184,7 +184,8 @@ def choose_precision(device=None, amp: AmpSetting = None) -> Precision:
                          "(amp=False, --no-amp), the default on this device")
     if dtype == torch.float16:
         raise ValueError("fp16 on a CPU is refused: CPUs compute float16 slowly, if "
-                         "at all; ask for bf16 (--amp-dtype bf16) or fp32 (--no-amp)")
+                         "at all; ask for bf16 or fp32 (train: --amp-dtype bf16 or "
+                         "--no-amp; bench: --precision bf16 or fp32)")
     if cpu_has_bf16_kernels() is False:
         warnings.warn("bf16 was asked for, but this CPU has no fast bfloat16 kernels: "
                       "slow generic code, often slower than fp32 (the default here)")

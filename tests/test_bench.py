@@ -122,6 +122,22 @@ def test_command_line_refuses_a_missing_device_and_unknown_sections(capsys) -> N
         torch.set_num_threads(threads)
 
 
+def test_json_never_replaces_another_kind_of_record(tmp_path, capsys) -> None:
+    """`--json` replaces an earlier benchmark's record, but never a translation run's record or any other file."""
+    from annotated_transformer.cli import main
+
+    record = tmp_path / "run.json"
+    record.write_text(json.dumps({"task": "multi30k", "command": "python -m annotated_transformer train"}))
+    before = record.read_text()
+    assert main(["bench", "--smoke", "--only", "layers", "--device", "cpu", "--json", str(record)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --json {record} exists and is not a benchmark's record") and err.count("\n") == 1
+    assert record.read_text() == before
+    earlier = tmp_path / "bench.json"
+    assert main(["bench", "--smoke", "--only", "layers", "--device", "cpu", "--json", str(earlier)]) == 0
+    assert main(["bench", "--smoke", "--only", "layers", "--device", "cpu", "--json", str(earlier)]) == 0
+
+
 def test_module_script_hands_its_arguments_to_the_command_line() -> None:
     result = subprocess.run([sys.executable, "-m", "annotated_transformer.bench", "--help"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -130,6 +146,23 @@ def test_module_script_hands_its_arguments_to_the_command_line() -> None:
     for option in ("--smoke", "--device", "--only", "--json", "--threads", "--compile", "--clock",
                    "--batch-sizes"):
         assert option in result.stdout, option
+
+
+@pytest.mark.parametrize("argv0, expected", [
+    ("/x/annotated_transformer/__main__.py", "python -m annotated_transformer bench --smoke"),
+    ("/x/annotated_transformer/bench.py", "python -m annotated_transformer bench --smoke"),
+    ("C:\\venv\\Scripts\\annotated-transformer.exe", "python -m annotated_transformer bench --smoke"),
+    ("/x/other.py", None),
+    ("", None),
+])
+def test_a_record_names_the_command_that_made_it(monkeypatch, argv0, expected) -> None:
+    """`python -m annotated_transformer.bench` is the same command as the `bench` subcommand; a console script
+    is recognised by its name, with or without Windows's .exe."""
+    from annotated_transformer.records import command_line
+
+    arguments = ["--smoke"] if "bench.py" in argv0 else ["bench", "--smoke"]
+    monkeypatch.setattr(sys, "argv", [argv0, *arguments])
+    assert command_line() == expected
 
 
 def test_decoding_benchmark_reports_every_method_batch_and_length() -> None:
@@ -358,6 +391,7 @@ def test_precision_overrules_the_devices_by_the_runtimes_rules(tmp_path, monkeyp
     assert main(base + [str(tmp_path / "fp16.json"), "--precision", "fp16"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: fp16 on a CPU is refused") and err.count("\n") == 1, err
+    assert "--precision bf16 or fp32" in err  # the options of the command that was run
     assert not (tmp_path / "fp16.json").exists()
 
 

@@ -511,6 +511,26 @@ def test_a_results_file_of_another_run_is_never_replaced(tmp_path, monkeypatch):
     assert (tmp_path / "notes.txt").read_text() == "my notes"
 
 
+def test_a_records_run_folder_is_read_from_either_form_of_the_option_and_never_from_stdin(tmp_path, monkeypatch):
+    """`--checkpoint-dir=PATH` is the same run as `--checkpoint-dir PATH`; a record without a command (one made
+    from Python) names no run, without reading standard input (shlex.split(None) does on Python 3.11)."""
+    import io
+
+    from annotated_transformer.records import check_results_path, recorded_folder
+
+    monkeypatch.chdir(tmp_path)
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"command": "python -m annotated_transformer train "
+                                             "--checkpoint-dir=runs/mine --results record.json"}))
+    assert recorded_folder(record) == (tmp_path / "runs" / "mine").resolve()
+    assert check_results_path(record, "runs/mine") == record
+    monkeypatch.setattr("sys.stdin", io.StringIO("--checkpoint-dir runs/mine"))  # must not be read
+    record.write_text(json.dumps({"command": None}))
+    assert recorded_folder(record) is None
+    with pytest.raises(ValueError, match="exists and is a file that is not a record of this run"):
+        check_results_path(record, "runs/mine")
+
+
 # valid.json: written atomically, and a damaged one is reported by name ---------------------------------------------
 
 def run_validation_chunks(folder, *, done, steps=30, monkeypatch):
