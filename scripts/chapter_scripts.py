@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,17 +96,20 @@ def run(folder: Path, names: list[str], timeout: int, report: Path | None, jobs:
     if not scripts:
         raise SystemExit(f"no chapter script in {folder} matches {names or 'anything'}")
     env = chapter_env(without_build_tools)
+    meta = dict(profile=os.environ.get("AT_PROFILE", ""), device=os.environ.get("AT_DEVICE", ""),
+                python=sys.version.split()[0], without_build_tools=without_build_tools)
     rows = []
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for row in pool.map(lambda script: run_one(script, timeout, env), scripts):
+        running = [pool.submit(run_one, script, timeout, env) for script in scripts]
+        for finished in as_completed(running):  # each as it ends, not behind a slow one
+            row = finished.result()
             print(f"{row['chapter']:16s} {row['status']:24s} {row['seconds']:7.1f} s", flush=True)
             if row["status"] != "passed":
                 print("    " + row["tail"].replace("\n", "\n    "), flush=True)
             rows.append({key: row[key] for key in ("chapter", "status", "seconds")})
-    if report is not None:
-        meta = dict(profile=os.environ.get("AT_PROFILE", ""), device=os.environ.get("AT_DEVICE", ""),
-                    python=sys.version.split()[0], without_build_tools=without_build_tools)
-        report.write_text(json.dumps(dict(meta=meta, chapters=rows), indent=1) + "\n", encoding="utf-8")
+            if report is not None:  # after each chapter: a run stopped from outside keeps these
+                report.write_text(json.dumps(dict(meta=meta, chapters=rows), indent=1) + "\n",
+                                  encoding="utf-8")
     return 0 if all(row["status"] == "passed" for row in rows) else 1
 
 

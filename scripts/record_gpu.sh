@@ -2,7 +2,7 @@
 # Record the book's GPU figures on a machine with one CUDA GPU, in steps that each fit in about ten minutes.
 #
 #   scripts/record_gpu.sh prepare       # on a machine with the book's environment (jupytext, the data folder)
-#   scripts/record_gpu.sh translation   # on the GPU machine: the full Multi30k run (book/results/multi30k-full.json);
+#   scripts/record_gpu.sh translation   # on the GPU machine: the full Multi30k run ($OUT/results/multi30k-full.json);
 #                                       # options are passed on (`translation --compile` for a compiled run)
 #   scripts/record_gpu.sh checks        # on the GPU machine: CUDA tests, benchmarks, the copy task in mixed precision
 #   scripts/record_gpu.sh chapters [NAME...]  # on the GPU machine: chapters as scripts, full profile
@@ -12,10 +12,11 @@
 # `prepare` copies the Multi30k files (from ANNOTATED_TRANSFORMER_DATA) and the chapters, written as plain Python
 # scripts, into .gpu/, so that a GPU machine with PyTorch, sentencepiece and sacreBLEU but no network and no
 # Jupyter can run everything from a copy of this checkout plus .gpu/. The other steps run the package from the
-# checkout with $PYTHON (default: python3), write results into book/results/ and logs into $OUT (default: .gpu/out),
-# and copy the results there too; commit the results files that come back, which record their command and device.
+# checkout with $PYTHON (default: python3) and write results and logs under $OUT (default: .gpu/out), never into
+# book/results/, whose records the chapters pin to the sessions that made them: commit the results files that come
+# back into a folder of the session's own, book/results/gpu-<GPU>-<date>/, with a README of what ran.
 # AT_DEVICE=cpu makes a dry run of a step on a CPU (pass tiny settings, e.g. `translation --steps 20`); it writes
-# its results into $OUT/results and its checkpoints into $OUT/runs, never into book/results/ or runs/.
+# its checkpoints into $OUT/runs, never into runs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -37,10 +38,11 @@ EOF
     : "${ANNOTATED_TRANSFORMER_DATA:?set ANNOTATED_TRANSFORMER_DATA, or run 'prepare' first}"
     # a dry run (AT_DEVICE=cpu) never writes into book/results/ or runs/, and runs the benchmarks and the copy
     # task at tiny sizes
+    RESULTS="$OUT/results"  # never book/results/: its records stay those of their sessions
     if [ "${AT_DEVICE:-cuda}" = cpu ]; then
-        RESULTS="$OUT/results" RUNS="$OUT/runs" TINY=(--smoke) COPY=(--steps 30)
+        RUNS="$OUT/runs" TINY=(--smoke) COPY=(--steps 30)
     else
-        RESULTS=book/results RUNS=runs TINY=() COPY=()
+        RUNS=runs TINY=() COPY=()
     fi
     mkdir -p "$RESULTS"
     export AT_PROFILE=${AT_PROFILE:-full} AT_DEVICE=${AT_DEVICE:-cuda} ANNOTATED_TRANSFORMER_CACHE="$PWD/.gpu/cache"
@@ -49,7 +51,7 @@ EOF
 case "$step" in
 prepare)
     : "${ANNOTATED_TRANSFORMER_DATA:?set ANNOTATED_TRANSFORMER_DATA to the Multi30k folder}"
-    rm -rf .gpu/multi30k .gpu/chapters
+    rm -rf .gpu/multi30k .gpu/chapters .gpu/out  # a dry run's checkpoints: too large to carry
     mkdir -p .gpu/multi30k
     cp "$ANNOTATED_TRANSFORMER_DATA"/*.gz .gpu/multi30k/
     ${BOOK_PYTHON:-.venv/bin/python} scripts/chapter_scripts.py write .gpu/chapters >/dev/null
@@ -66,7 +68,6 @@ translation)
     "$PYTHON" -m annotated_transformer train --task multi30k --profile "$AT_PROFILE" \
         --checkpoint-dir "$RUNS/multi30k-full" --results "$RESULTS/multi30k-full.json" --no-progress \
         "${resume[@]}" "$@" 2>&1 | tee -a "$OUT/translation.log"
-    [ "$RESULTS" = "$OUT/results" ] || cp "$RESULTS/multi30k-full.json" "$OUT/"
     ;;
 checks)
     enter_step
@@ -75,7 +76,6 @@ checks)
     "$PYTHON" -m annotated_transformer bench "${TINY[@]}" --compile --device "$AT_DEVICE" \
         --json "$RESULTS/bench_gpu.json" 2>&1 \
         | tee "$OUT/bench.log"
-    [ "$RESULTS" = "$OUT/results" ] || cp "$RESULTS/bench_gpu.json" "$OUT/"
     "$PYTHON" -m annotated_transformer train --task copy "${COPY[@]}" --device "$AT_DEVICE" --no-progress 2>&1 \
         | tee "$OUT/copy-amp.log"
     exit "${status:-0}"
@@ -114,7 +114,8 @@ session)
         rc=0
         # shellcheck disable=SC2086  # one chapter name per word
         OMP_NUM_THREADS=2 timeout "$first" "$PYTHON" scripts/chapter_scripts.py run "$folder" $chapters \
-            --jobs 5 --timeout "$first" --report "$OUT/chapters-full.json" >"$OUT/chapters.log" 2>&1 || rc=$?
+            --jobs 5 --timeout $((first > 60 ? first - 15 : first * 3 / 4)) --report "$OUT/chapters-full.json" \
+            >"$OUT/chapters.log" 2>&1 || rc=$?  # a chapter's own limit ends first
         note "chapters: exit $rc"
     ) &
     (
@@ -152,7 +153,7 @@ session)
     rmdir "$OUT/results" 2>/dev/null || true  # a dry run's results folder, empty here
     ;;
 *)
-    sed -n '2,17p' "$0"
+    sed -n '2,19p' "$0"
     exit 2
     ;;
 esac
