@@ -14,6 +14,7 @@ from annotated_transformer.measure import (
     MIB,
     peak_memory_bytes,
     saved_tensor_bytes,
+    steady_clock,
     time_side_by_side,
 )
 

@@ -23,6 +23,12 @@ def synchronize(device) -> None:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
+def steady_clock(device) -> str:
+    """The clock to time ``device``'s work by: "cpu" on one CPU thread, else "wall"."""
+    one_thread = torch.device(device).type == "cpu" and torch.get_num_threads() == 1
+    return "cpu" if one_thread else "wall"
+
+
 def time_side_by_side(
     fns: dict[str, Callable[[], object]],
     device="cpu",

@@ -26,6 +26,7 @@ from annotated_transformer.measure import (
     MIB,
     largest_tensor_bytes,
     peak_memory_bytes,
+    steady_clock,
     synchronize,
     time_side_by_side,
 )

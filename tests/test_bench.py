@@ -487,3 +487,16 @@ def test_step_profile_reads_a_gpus_kernels() -> None:
     shares = {row["kind"]: row["share"] for row in rows}
     assert rows[-1]["kind"] == "device idle" and shares["matrix products"] > 0 and shares["optimiser"] > 0
     assert sum(shares.values()) == pytest.approx(1, abs=0.05)
+
+
+def test_steady_clock_is_the_cpu_clock_on_one_cpu_thread_only() -> None:
+    from annotated_transformer.measure import steady_clock
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert steady_clock("cpu") == "cpu" and steady_clock(torch.device("cuda")) == "wall"
+        torch.set_num_threads(2)
+        assert steady_clock("cpu") == "wall"
+    finally:
+        torch.set_num_threads(threads)
