@@ -4,7 +4,8 @@
 #   scripts/record_gpu.sh prepare       # on a machine with the book's environment (jupytext, the data folder)
 #   scripts/record_gpu.sh translation   # on the GPU machine: the full Multi30k run ($OUT/results/multi30k-full.json);
 #                                       # options are passed on (`translation --compile` for a compiled run)
-#   scripts/record_gpu.sh checks        # on the GPU machine: CUDA tests, benchmarks, the copy task in mixed precision
+#   scripts/record_gpu.sh checks        # on the GPU machine: CUDA tests, benchmarks, the copy task in mixed precision,
+#                                       # each within CHECK_TIMEOUT seconds (default 540)
 #   scripts/record_gpu.sh chapters [NAME...]  # on the GPU machine: chapters as scripts, full profile
 #   scripts/record_gpu.sh session [SECONDS]   # on the GPU machine: the checks and chapters, then the benchmark
 #                                             # section by section, all within SECONDS (default 540)
@@ -71,14 +72,23 @@ translation)
     ;;
 checks)
     enter_step
-    "$PYTHON" -m pytest tests -m cuda -q -rs -p no:cacheprovider -p no:nbval 2>&1 | tee "$OUT/cuda-tests.log" || status=$?
+    # each part within its own limit (CHECK_TIMEOUT seconds, default 540; exit 124: stopped at it), and a part that
+    # fails or times out stops nothing else; the step exits with the first part's failure
+    limit=${CHECK_TIMEOUT:-540} status=0
+    part() {  # part NAME LOG COMMAND...: run COMMAND within the limit, its output into $OUT/LOG and on screen
+        local name=$1 log=$2 rc=0
+        shift 2
+        timeout "$limit" "$@" 2>&1 | tee "$OUT/$log" || rc=$?
+        echo "$name: exit $rc" | tee -a "$OUT/environment.txt"
+        if [ "$status" = 0 ]; then status=$rc; fi
+    }
+    part "CUDA tests" cuda-tests.log "$PYTHON" -m pytest tests -m cuda -q -rs -p no:cacheprovider -p no:nbval
     # eager and compiled, training and decoding (the static cache's compiled step uses CUDA graphs)
-    "$PYTHON" -m annotated_transformer bench "${TINY[@]}" --compile --device "$AT_DEVICE" \
-        --json "$RESULTS/bench_gpu.json" 2>&1 \
-        | tee "$OUT/bench.log"
-    "$PYTHON" -m annotated_transformer train --task copy "${COPY[@]}" --device "$AT_DEVICE" --no-progress 2>&1 \
-        | tee "$OUT/copy-amp.log"
-    exit "${status:-0}"
+    part bench bench.log "$PYTHON" -m annotated_transformer bench "${TINY[@]}" --compile --device "$AT_DEVICE" \
+        --json "$RESULTS/bench_gpu.json"
+    part "copy task" copy-amp.log "$PYTHON" -m annotated_transformer train --task copy "${COPY[@]}" \
+        --device "$AT_DEVICE" --no-progress
+    exit "$status"
     ;;
 chapters)
     enter_step
@@ -153,7 +163,7 @@ session)
     rmdir "$OUT/results" 2>/dev/null || true  # a dry run's results folder, empty here
     ;;
 *)
-    sed -n '2,19p' "$0"
+    sed -n '/^set -euo/q; 2,$p' "$0"  # the header above
     exit 2
     ;;
 esac

@@ -149,3 +149,37 @@ def test_record_gpu_sessions_default_benchmark_profiles_the_step_first(tmp_path)
     profile = json.loads((out / "bench_profile.json").read_text())
     assert set(profile) == {"meta", "profile"} and "--compile" in profile["meta"]["command"].split()
     assert len(list(out.iterdir())) <= 8, sorted(out.iterdir())
+
+
+CHECKS_STAND_IN = """#!{python}
+# the interpreter for a dry run of `record_gpu.sh checks`: the CUDA tests fail, the benchmark hangs, the copy task
+# passes; anything else (the environment's check) runs in the real interpreter
+import os, sys, time
+args = sys.argv[1:]
+if args[:2] == ["-m", "pytest"]:
+    print("1 failed, 51 passed")
+    sys.exit(1)
+elif args[:3] == ["-m", "annotated_transformer", "bench"]:
+    time.sleep(600)
+elif args[:3] == ["-m", "annotated_transformer", "train"]:
+    print("copy exact-match (greedy, 1000 held-out sequences): 99.8%")
+else:
+    os.execv({python!r}, [{python!r}, *args])
+"""
+
+
+def test_record_gpu_checks_run_every_part_within_its_limit(tmp_path):
+    """`record_gpu.sh checks`: a failing part and a part that hangs (stopped at CHECK_TIMEOUT, exit 124) stop
+    nothing else, each part notes its exit status, and the step exits with the first failure."""
+    python = tmp_path / "python"
+    python.write_text(CHECKS_STAND_IN.format(python=sys.executable))
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    done = run_script("bash", str(SCRIPTS / "record_gpu.sh"), "checks", timeout=60, env={
+        "PYTHON": str(python), "OUT": str(out), "AT_DEVICE": "cpu", "CHECK_TIMEOUT": "3",
+        "ANNOTATED_TRANSFORMER_DATA": str(tmp_path)})
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (out / "environment.txt").read_text()
+    for part in ("CUDA tests: exit 1", "bench: exit 124", "copy task: exit 0"):
+        assert part in log, log
+    assert "copy exact-match" in (out / "copy-amp.log").read_text()
