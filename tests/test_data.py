@@ -1,9 +1,8 @@
 """Multi30k loading, the joint SentencePiece tokenizer and batching (book/data.md), and the download, checksums and
 caching behind the loading (book/appendix_data.md).
 
-The data come from the folder named by ANNOTATED_TRANSFORMER_DATA (CI sets it; the development machines keep the
-files in ../shared/datasets/multi30k relative to the repository, which is used when the variable is unset). The
-download path is exercised with file:// URLs and a patched urlopen: no network is needed. Tokenizers are trained
+The data come from the folder that tests/local_data.py finds (ANNOTATED_TRANSFORMER_DATA, which CI sets; else
+../shared/datasets/multi30k beside the repository, or the download cache). The download path is exercised with file:// URLs and a patched urlopen: no network is needed. Tokenizers are trained
 into a temporary cache.
 """
 from __future__ import annotations
@@ -29,16 +28,7 @@ from annotated_transformer.data import (
 )
 from annotated_transformer.download import DATA_ENV, MULTI30K_FILES, fetch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def data_folder() -> Path | None:
-    folder = os.environ.get(DATA_ENV) or ROOT.parent / "shared" / "datasets" / "multi30k"
-    return Path(folder) if Path(folder, "train.de.gz").exists() else None
-
-
-FOLDER = data_folder()
-needs_data = pytest.mark.skipif(FOLDER is None, reason=f"the Multi30k files are not available (set {DATA_ENV})")
+from local_data import FOLDER, needs_data
 
 
 @pytest.fixture(scope="module")

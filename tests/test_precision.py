@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -349,11 +347,10 @@ def test_the_amp_type_is_a_choice():
 
 # The records ----------------------------------------------------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("ANNOTATED_TRANSFORMER_DATA") or ROOT.parent / "shared" / "datasets" / "multi30k")
+from local_data import FOLDER as DATA, needs_data  # noqa: E402 (the records' section)
 
 
-@pytest.mark.skipif(not (DATA / "train.de.gz").exists(), reason="the Multi30k files are not available")
+@needs_data
 def test_a_translation_record_and_its_checkpoints_name_the_precision(tmp_path, monkeypatch):
     from annotated_transformer.records import record_experiment
     from annotated_transformer.translation import translation_config
@@ -381,7 +378,7 @@ def test_a_translation_record_and_its_checkpoints_name_the_precision(tmp_path, m
 
 
 
-@pytest.mark.skipif(not (DATA / "train.de.gz").exists(), reason="the Multi30k files are not available")
+@needs_data
 def test_a_compiled_translation_run_says_so(tmp_path, monkeypatch):
     """compile=True reaches train's torch.compile (here a stand-in that counts and returns what it is given, so
     that the test costs no compiling), and what train_translator returns, the record's source, says so."""

@@ -103,7 +103,12 @@ def test_layer_norm_constant_input_gives_the_bias():
 def test_layer_norm_state_dict_and_repr():
     norm = LayerNorm(10)
     assert set(norm.state_dict()) == {"weight", "bias"}
-    assert nn.LayerNorm(10, eps=1e-6).load_state_dict(norm.state_dict()) is not None
+    norm = random_layer_norm(10, dtype=torch.float32)  # loaded weights that are not the defaults
+    theirs = nn.LayerNorm(10, eps=1e-6)
+    loaded = theirs.load_state_dict(norm.state_dict())
+    assert not loaded.missing_keys and not loaded.unexpected_keys
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(theirs(x), norm(x))
     assert "10" in repr(norm) and "eps=1e-06" in repr(norm)
 
 
