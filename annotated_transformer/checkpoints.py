@@ -525,8 +525,8 @@ def run_folder(directory, config: dict, *, resume=False, hold: bool = True,
 
 
 def average_checkpoints(paths: Sequence) -> dict:
-    """The element-wise mean of the weights of checkpoints of a model (section 6.1)."""
-    paths = list(paths)
+    """The element-wise mean of the weights of checkpoints (section 6.1); or of one."""
+    paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
     if not paths:
         raise ValueError("paths must name at least one checkpoint")
     last = first = load_checkpoint(paths[0])

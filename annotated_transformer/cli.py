@@ -115,9 +115,9 @@ def add_train(subparsers) -> None:
         "train",
         help=COMMANDS["train"][0],
         description=(
-            "Train a Transformer. Sizes left out come from the profile. Run under "
-            "torchrun (torchrun --nproc-per-node=N -m annotated_transformer train ...) "
-            "to train on several GPUs with DistributedDataParallel."
+            "Train a Transformer. Sizes left out come from the profile. Run the copy "
+            "task under torchrun (torchrun --nproc-per-node=N -m annotated_transformer "
+            "train ...) to train on several GPUs with DistributedDataParallel."
         ),
     )
     parser.add_argument(
@@ -277,6 +277,9 @@ def run_train(args) -> int:
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):  # torchrun's; a user may set them
         if not os.environ.get(name, "0").isdigit():
             raise ValueError(f"${name} must be a whole number: {os.environ[name]!r}")
+    if args.task == "multi30k" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "--task multi30k trains on one device: run it without torchrun")
     return (
         run_translation_train(args) if args.task == "multi30k" else run_copy_train(args)
     )
@@ -310,6 +313,10 @@ def run_copy_train(args) -> int:
     )
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir")
+    if saving and args.checkpoint_dir is None:  # else they would be quietly ignored
+        given = " and ".join("--" + name.replace("_", "-") for name in saving)
+        raise ValueError(f"{given} need{'s' if len(saving) == 1 else ''} "
+                         "--checkpoint-dir, the folder to write the checkpoints to")
     if args.profile == "laptop":
         raise ValueError(
             "--profile laptop is a profile of --task multi30k; the copy task has quick "

@@ -8,6 +8,7 @@ import glob
 import hashlib
 import http.client
 import errno
+import json
 import os
 import re
 import tempfile
@@ -297,9 +298,27 @@ def check_places(args) -> None:
 RUN_FILE = re.compile(r"step_\d+\.pt|average\.pt|tokenizer\.model|valid\.json")
 
 
+def kept_kind(path: Path, *, records: bool) -> str | None:
+    """What a file holds that no output may replace, whatever its name: "a PyTorch
+    checkpoint" (a zip), "a results record" (JSON that names its command; if
+    ``records``); else None."""
+    with open(path, "rb") as stream:
+        head = stream.read(4)
+    if head == b"PK\x03\x04":
+        return "a PyTorch checkpoint"
+    if records and head[:1] == b"{":
+        try:
+            if "command" in json.loads(path.read_text(encoding="utf-8")):
+                return "a results record"
+        except (ValueError, TypeError):  # not JSON, not UTF-8, not an object
+            pass
+    return None
+
+
 def check_kept(path: Path, option: str, inputs: dict) -> None:
     """Refuse to write over an input of the same command, a file of a training run (by
-    its name) or a file of the Multi30k folders (the data's, the cache's)."""
+    its name or its contents: a checkpoint, a results record) or a file of the
+    Multi30k folders (the data's, the cache's)."""
     if not path.exists():
         return
     for dest, given in inputs.items():
@@ -309,6 +328,10 @@ def check_kept(path: Path, option: str, inputs: dict) -> None:
     if RUN_FILE.fullmatch(path.name):
         raise ValueError(f"{path} ({option}) would replace {path.name}, a file of a "
                          "training run: name another file")
+    # --results replaces its own run's record, and no other (it checks that itself)
+    if kind := kept_kind(path, records=option != "--results"):
+        raise ValueError(f"{path} ({option}) is {kind}: writing it would destroy it; "
+                         "name another file")
     places = [Path(os.environ[DATA_ENV])] if os.environ.get(DATA_ENV) else []
     if any(path.resolve().is_relative_to(p.resolve()) for p in [*places, cache_dir()]):
         raise ValueError(f"{path} ({option}) is in a folder of the Multi30k files: "
@@ -362,6 +385,7 @@ def download_model(url: str, folder) -> dict[str, Path]:
                                 f"{url} a release of the translator, a folder URL such "
                                 f"as {RELEASE_URL}?") from error
     sums = read_sums(text, url + MODEL_SUMS)
+    check_model_folder(folder, sums)
     fetched = {}
     for name in MODEL_FILES:
         path = folder / name
@@ -374,4 +398,31 @@ def download_model(url: str, folder) -> dict[str, Path]:
                     f"could not download {url}{name} ({error}); nothing was saved to "
                     f"{path}: run the command again to start it again") from error
         fetched[name] = path
+    temporary = folder / f".{MODEL_SUMS}.tmp"  # last: the digests of what it now holds
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, folder / MODEL_SUMS)
     return fetched
+
+
+TRAINING_FILE = re.compile(r"step_\d+\.pt|valid\.json|\.run\.lock")
+
+
+def check_model_folder(folder: Path, sums: dict[str, str]) -> None:
+    """Refuse a folder that holds a training run, or a model file that neither is the
+    release's (``sums``) nor came from an earlier download (the folder's own
+    SHA256SUMS lists it): a release replaces nothing but an earlier release."""
+    if not folder.is_dir():
+        return
+    run = sorted(p.name for p in folder.iterdir() if TRAINING_FILE.fullmatch(p.name))
+    if run:
+        raise ValueError(f"{folder} holds a training run ({', '.join(run[:3])}): "
+                         "download the release into a folder of its own")
+    try:
+        earlier = read_sums((folder / MODEL_SUMS).read_text(), str(folder / MODEL_SUMS))
+    except (OSError, UnicodeDecodeError, ValueError):
+        earlier = {}
+    for name in MODEL_FILES:
+        path = folder / name
+        if path.is_file() and sha256(path) not in (sums[name], earlier.get(name)):
+            raise ValueError(f"{path} exists and no earlier download made it: "
+                             "download into another folder, or move it away first")

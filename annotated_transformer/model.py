@@ -115,6 +115,11 @@ def check_model_arguments(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, *,
         raise ValueError(
             f"d_model ({d_model}) must be divisible by the number of heads h ({h})"
         )
+    if d_model % 2:  # before any layer is built
+        raise ValueError(
+            "d_model must be even for sinusoidal positions (sine and cosine pairs), "
+            f"got {d_model}"
+        )
     for name, value in (("dropout", dropout), ("attention_dropout", attention_dropout),
                         ("activation_dropout", activation_dropout)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):

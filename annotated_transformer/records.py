@@ -209,7 +209,7 @@ def add_tuned_decoding(record: dict, trained: dict, test, *, log=print) -> None:
 
 def recorded_folder(path) -> Path | None:
     """The run folder (``--checkpoint-dir``) named by the command of the record at
-    ``path``, resolved; None if the file is not such a record."""
+    ``path``, as the command named it; None if the file is not such a record."""
     try:
         command = json.loads(Path(path).read_text(encoding="utf-8"))["command"]
         if not isinstance(command, str):  # shlex.split(None) would read standard input
@@ -219,7 +219,7 @@ def recorded_folder(path) -> Path | None:
             if option.startswith("--checkpoint-dir="):  # argparse takes both forms
                 option, value = option.split("=", 1)
             if option == "--checkpoint-dir" and value:
-                return Path(value).resolve()
+                return Path(value)
         return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -232,8 +232,11 @@ def check_results_path(path, checkpoint_dir=None) -> Path:
     path = Path(path)
     run = None if checkpoint_dir is None else Path(checkpoint_dir).resolve()
     owner = recorded_folder(path) if path.is_file() else None
-    if path.is_file() and (run is None or owner != run):
-        what = (f"the record of another run (its folder: {owner})" if owner
+    if path.is_file() and (run is None or owner is None or owner.resolve() != run):
+        # a relative folder is relative to where that run started, not to here
+        where = "" if owner is None or owner.is_absolute() else (
+            ", relative to the folder it was started in, where it resumes")
+        what = (f"the record of another run (its folder: {owner}{where})" if owner
                 else "a file that is not a record of this run")
         raise ValueError(f"the results file {path} exists and is {what}: name a new "
                          "file, or delete this one first")

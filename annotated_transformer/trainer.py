@@ -393,11 +393,12 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
     """Refuse impossible arguments of ``train``; return micro-batch ``i`` as f(i)."""
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
-    if time_limit is not None and not (  # a bool is no number of seconds; not nan
+    if time_limit is not None and not (  # a bool is no number of seconds; not nan, inf
         isinstance(time_limit, (int, float)) and not isinstance(time_limit, bool)
-        and time_limit >= 0
+        and math.isfinite(time_limit) and time_limit >= 0
     ):
-        raise ValueError(f"time_limit must be seconds >= 0 or None, got {time_limit!r}")
+        raise ValueError(
+            f"time_limit must be finite seconds >= 0 or None, got {time_limit!r}")
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(
             f"accumulation_steps must be a positive integer, got {accumulation_steps!r}"

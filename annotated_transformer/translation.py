@@ -120,6 +120,9 @@ PROBABILITIES = ("dropout", "attention_dropout", "activation_dropout", "smoothin
 DECAYS = ("inverse_sqrt", "linear")  # the schedule after its warm-up
 
 
+MOST_MINUTES = 10**8  # about 190 years: a longer limit is a typo
+
+
 def check_settings(config: TranslationConfig) -> None:
     """Raise a ValueError (or TypeError) naming the first setting of ``config`` that
     cannot be used."""
@@ -145,6 +148,9 @@ def check_settings(config: TranslationConfig) -> None:
     if config.decay == "linear" and config.steps <= config.warmup:
         raise ValueError(f"a linear decay needs steps ({config.steps}) above warmup "
                          f"({config.warmup})")
+    if config.minutes is not None and config.minutes > MOST_MINUTES:  # (1e307 minutes
+        raise ValueError(f"minutes must be at most {MOST_MINUTES:,}, got "  # are inf s)
+                         f"{config.minutes!r}")
     if not 0 <= config.length_penalty <= MAX_ALPHA:  # beam search's range; not nan, inf
         raise ValueError(f"length_penalty must lie in [0, {MAX_ALPHA:g}], "
                          f"got {config.length_penalty!r}")
@@ -212,6 +218,9 @@ SETTINGS = tuple(f.name for f in fields(TranslationConfig) if f.name != "profile
 def translation_config(profile: str | None = None, **overrides) -> TranslationConfig:
     """The profile's settings (default: AT_PROFILE; "laptop" by name), with
     ``overrides``; None keeps a setting."""
+    if profile is None and os.environ.get("AT_PROFILE", "").strip().lower() == "laptop":
+        raise ValueError("AT_PROFILE chooses quick, full or auto for the whole book; "
+                         "the laptop profile is this task's: ask for it by name")
     name = profile if profile == "laptop" else get_profile(profile)
     for key in overrides:
         if key not in SETTINGS:
@@ -310,6 +319,9 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
     precision (the runtime's ``choose_precision``: by the device); ``compile`` is
     ``train``'s.
     """
+    if checkpoint_dir is None or str(checkpoint_dir) == "":
+        raise ValueError("checkpoint_dir must name the run's folder, got "
+                         f"{checkpoint_dir!r}")
     device = get_device(device)
     precision = choose_precision(device, amp)  # a refusal comes before any work
     log(f"precision: {precision}")
@@ -324,14 +336,14 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
             f"no training pair is at most max_len={config.max_len} pieces long"
         )
     batches = EpochBatches(train_examples, config.max_tokens, seed=config.seed)
+    warn_long_warmup(config)
+    seed_everything(config.seed)
+    model, optimizer, scheduler, loss_fn = build_translator(  # refused: before a folder
+        config, tokenizer.vocab_size, device)
     with run_folder(checkpoint_dir, run_settings(config), resume=resume,
                     older=OLDER_SETTINGS) as folder:
         checkpoint = resumed_checkpoint(folder, resume, config)
         keep_tokenizer(folder, tokenizer, checkpoint, log=log)
-        warn_long_warmup(config)
-        seed_everything(config.seed)
-        model, optimizer, scheduler, loss_fn = build_translator(
-            config, tokenizer.vocab_size, device)
         if checkpoint:  # its weights, in case its validation loss is missing
             load_model_state(model, checkpoint)
         extra = {"task": TASK, "settings": run_settings(config),  # in every checkpoint
@@ -395,9 +407,10 @@ OLDER_SETTINGS = {"decay": "inverse_sqrt"}
 
 def run_settings(config: TranslationConfig) -> dict:
     """The settings that make a run's checkpoints what they are: all but those of its
-    final evaluation and ``steps`` and ``minutes``, which a resumed run may raise."""
-    return {key: value for key, value in asdict(config).items()
-            if key not in UNRECORDED}
+    final evaluation and ``steps`` and ``minutes``, which a resumed run may raise;
+    with a linear decay, ``steps`` too, where its learning rate reaches zero."""
+    free = [name for name in UNRECORDED if (name, config.decay) != ("steps", "linear")]
+    return {key: value for key, value in asdict(config).items() if key not in free}
 
 
 def resumed_checkpoint(folder: Path, resume: bool, config: TranslationConfig):

@@ -401,7 +401,11 @@ def test_the_command_line_stops_on_a_diverging_run(tmp_path, capsys):
     error = error.splitlines()[-1]  # after the warning that the warm-up outlasts the run
     assert error.startswith("error: training stopped at step ") and "not a finite number" in error
     assert "Traceback" not in error
-    for path in list_checkpoints(tmp_path):
+    saved = list_checkpoints(tmp_path)
+    assert saved, "no checkpoint before the divergence: the test checks nothing"
+    stopped = int(error.removeprefix("error: training stopped at step ").split(":")[0])
+    assert load_checkpoint(saved[-1])["step"] < stopped and f"newest checkpoint, {saved[-1]}," in error
+    for path in saved:
         assert all(torch.isfinite(v).all() for v in load_checkpoint(path)["model"].values())
 
 
@@ -552,3 +556,13 @@ def test_written_files_get_the_mode_that_open_would_give(tmp_path):
     finally:
         os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o640 and path.read_text() == "{}"
+
+
+def test_the_average_of_one_path_is_that_checkpoint_not_its_letters(tmp_path):
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "one.pt", model=make_model(11, 11, N=1, d_model=16, d_ff=32, h=2))
+    expected = average_checkpoints([tmp_path / "one.pt"])  # the state dict
+    for one in (tmp_path / "one.pt", str(tmp_path / "one.pt")):  # list() of a str would be its letters
+        averaged = average_checkpoints(one)
+        assert averaged.keys() == expected.keys()
+        assert all(torch.equal(averaged[key], expected[key]) for key in expected)

@@ -229,9 +229,14 @@ IN_PROCESS = [
     ("copy-refuses-norm-first", train("--no-norm-first"), "--task copy does not use --norm-first", None),
     ("copy-refuses-decay", train("--decay", "linear"), "--task copy does not use --decay", None),
     ("copy-refuses-no-clock", train("--no-clock"), "--task copy does not use --no-clock", None),
+    ("minutes-beyond-190-years", multi30k("--minutes", "1e307"), "minutes must be at most 100,000,000", None),
     ("no-clock-and-minutes", multi30k("--no-clock", "--minutes", "5"),
      "--minutes and --no-clock contradict each other: give one", None),
     ("copy-resume-without-folder", train("--resume"), "--resume needs --checkpoint-dir", None),
+    ("copy-checkpoint-every-without-folder", train("--checkpoint-every", "5"),
+     "--checkpoint-every needs --checkpoint-dir, the folder", None),
+    ("copy-keep-last-without-folder", train("--checkpoint-every", "5", "--keep-last", "2"),
+     "--checkpoint-every and --keep-last need --checkpoint-dir", None),
     ("copy-resume-nothing", train("--resume", "--checkpoint-dir", "a_folder"), "a_folder holds no checkpoint", None),
     ("multi30k-without-folder", ["train", "--task", "multi30k", "--profile", "quick"],
      "--task multi30k needs --checkpoint-dir", None),
@@ -390,6 +395,15 @@ def test_a_bad_torchrun_variable_is_named(place, variable) -> None:
     result = shell(place, train(), env={variable: "abc"})
     check_refusal(result.returncode, result.stdout.decode(), result.stderr.decode(),
                   f"${variable} must be a whole number: 'abc'")
+
+
+def test_the_translation_task_under_torchrun_is_refused_before_any_work(place) -> None:
+    """Only the copy task trains with DistributedDataParallel: every rank of a translation run would prepare the data
+    and train alone, on one device, into one folder."""
+    result = shell(place, multi30k(), env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    check_refusal(result.returncode, result.stdout.decode(), result.stderr.decode(),
+                  "--task multi30k trains on one device: run it without torchrun")
+    assert not (place / "run").exists()
 
 
 def test_at_device_meta_is_one_line(place) -> None:

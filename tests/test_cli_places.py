@@ -4,9 +4,7 @@ first checkpoint can be resumed; a resume below the step reached is refused; a w
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +14,8 @@ from annotated_transformer.cli import main
 from annotated_transformer.download import DATA_ENV, check_places
 from annotated_transformer.model import make_model
 
-ROOT = Path(__file__).resolve().parents[1]
-FOLDER = Path(os.environ.get(DATA_ENV) or ROOT.parent / "shared" / "datasets" / "multi30k")
+from local_data import FOLDER, needs_data
+
 COPY = ["train", "--task", "copy", "--profile", "quick", "--d-model", "16", "--layers", "1", "--batch-size", "8", "--warmup", "1",
         "--no-progress", "--device", "cpu"]
 
@@ -43,6 +41,8 @@ def files(tmp_path, monkeypatch):
     run.mkdir()
     save_checkpoint(run / "average.pt", model=make_model(11, 11, N=1, d_model=16, d_ff=32, h=2))
     save_checkpoint(run / "step_00000002.pt", model=make_model(11, 11, N=1, d_model=16, d_ff=32, h=2))
+    shutil.copy(run / "average.pt", tmp_path / "model.pt")  # a checkpoint by its contents, not its name
+    (tmp_path / "record.json").write_text('{"command": "python -m annotated_transformer train", "test": {}}')
     data = tmp_path / "data"
     data.mkdir()
     (data / "val.en.gz").write_bytes(b"corpus")
@@ -59,6 +59,11 @@ def files(tmp_path, monkeypatch):
       "--output", "run/average.pt"], "is the file given to --checkpoint"),
     (["bench", "--smoke", "--json", "run/step_00000002.pt"], "would replace step_00000002.pt, a file of a training run"),
     ([*COPY, "--steps", "1", "--results", "run/average.pt"], "would replace average.pt, a file of a training run"),
+    (["evaluate", "--checkpoint", "run/average.pt", "--source", "de.txt", "--reference", "en.txt",
+      "--output", "model.pt"], "model.pt (--output) is a PyTorch checkpoint: writing it would destroy it"),
+    (["bench", "--smoke", "--json", "model.pt"], "model.pt (--json) is a PyTorch checkpoint"),
+    (["evaluate", "--checkpoint", "run/average.pt", "--source", "de.txt", "--reference", "en.txt",
+      "--output", "record.json"], "record.json (--output) is a results record: writing it would destroy it"),
     (["evaluate", "--checkpoint", "run/average.pt", "--split", "valid", "--output", "data/val.en.gz"],
      "data/val.en.gz (--output) is in a folder of the Multi30k files"),
 ])
@@ -94,7 +99,7 @@ def test_a_resume_below_the_step_reached_is_refused(tmp_path, capsys) -> None:
     assert "steps (1) is below the step that the checkpoint reached (2)" in line
 
 
-@pytest.mark.skipif(not (FOLDER / "train.de.gz").exists(), reason=f"the Multi30k files are not available ({DATA_ENV})")
+@needs_data
 def test_a_batch_budget_smaller_than_a_sentence_is_refused_before_a_folder_is_made(tmp_path, monkeypatch,
                                                                                    capsys) -> None:
     monkeypatch.setenv(DATA_ENV, str(FOLDER))

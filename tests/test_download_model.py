@@ -77,3 +77,29 @@ def test_download_model_refuses_a_bad_url_or_folder_in_one_line_naming_it(tmp_pa
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(expected), done.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize("own", ["valid.json", ".run.lock", "average.pt", "multi30k-laptop.json"])
+def test_download_model_replaces_no_file_that_no_download_made(release, tmp_path, own):
+    """A training run's folder, a reader's own model or a record (book/results/ holds multi30k-laptop.json) is
+    refused in one line, before anything is fetched; a folder that an earlier download filled is updated."""
+    folder, url = release
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / own).write_bytes(b"the reader's own")
+    done = download(url, model)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert str(model) in done.stderr and ("training run" in done.stderr or "no earlier download" in done.stderr)
+    assert [path.name for path in model.iterdir()] == [own] and (model / own).read_bytes() == b"the reader's own"
+
+
+def test_download_model_updates_an_earlier_download(release, tmp_path):
+    folder, url = release
+    assert download(url, tmp_path / "model").returncode == 0
+    (folder / "average.pt").write_bytes(b"newer weights")
+    (folder / MODEL_SUMS).write_text("".join(f"{hashlib.sha256((folder / name).read_bytes()).hexdigest()}  {name}\n"
+                                             for name in MODEL_FILES))
+    done = download(url, tmp_path / "model")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "model" / "average.pt").read_bytes() == b"newer weights"
+    assert (tmp_path / "model" / MODEL_SUMS).read_text() == (folder / MODEL_SUMS).read_text()

@@ -525,8 +525,8 @@ def test_train_rejects_bad_arguments(tmp_path):
         train(model, padded_batches(1), steps=-1, **kwargs)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(model, padded_batches(1), steps=1, checkpoint_dir=tmp_path, resume=True, **kwargs)
-    for bad in (-1.0, float("nan"), True, "60"):
-        with pytest.raises(ValueError, match=r"time_limit must be seconds >= 0 or None, got "):
+    for bad in (-1.0, float("nan"), float("inf"), True, "60"):
+        with pytest.raises(ValueError, match=r"time_limit must be finite seconds >= 0 or None, got "):
             train(model, padded_batches(1), steps=1, time_limit=bad, **kwargs)
 
 

@@ -2,13 +2,13 @@
 
 A tiny end-to-end run (a few dozen steps of a 32-wide model on a slice of the data, on the CPU) goes through the
 whole pipeline once per module: train, average, evaluate, write the results, reload, translate, and the `evaluate`
-command. Resuming is checked against an uninterrupted run. The data come from ANNOTATED_TRANSFORMER_DATA (or
-../shared/datasets/multi30k relative to the repository); tokenizers go to a temporary cache.
+command. Resuming is checked against an uninterrupted run. The data come from the folder that tests/local_data.py
+finds; tokenizers go to a temporary cache.
 """
 from __future__ import annotations
 
 import json
-import os
+import shlex
 import subprocess
 import sys
 import time
@@ -32,10 +32,9 @@ from annotated_transformer.translation import (
 )
 from annotated_transformer.runtime import Precision
 
-ROOT = Path(__file__).resolve().parents[1]
-FOLDER = Path(os.environ.get(DATA_ENV) or ROOT.parent / "shared" / "datasets" / "multi30k")
-pytestmark = pytest.mark.skipif(not (FOLDER / "train.de.gz").exists(),
-                                reason=f"the Multi30k files are not available (set {DATA_ENV})")
+from local_data import FOLDER, ROOT, needs_data
+
+pytestmark = needs_data
 
 TINY = dict(vocab_size=500, train_limit=3000, max_len=20, N=1, d_model=32, d_ff=64, h=2, dropout=0.0,
             max_tokens=600, steps=30, warmup=10, factor=0.5, checkpoint_every=5, average=2, eval_every=10,
@@ -114,6 +113,8 @@ def test_config_profiles_and_overrides():
     for bad in (0, -1.0, float("nan"), float("inf"), True, "40"):
         with pytest.raises(ValueError, match="minutes must be a positive finite number, got "):
             translation_config("quick", minutes=bad)
+    with pytest.raises(ValueError, match="minutes must be at most 100,000,000, got 1e"):
+        translation_config("quick", minutes=1e307)  # 6e308 seconds: infinite
     for bad in (True, "0.5", float("nan"), 0):  # the check that minutes shares with factor
         with pytest.raises(ValueError, match="factor must be a positive finite number, got "):
             translation_config("quick", factor=bad)
@@ -503,8 +504,18 @@ def test_a_results_file_of_another_run_is_never_replaced(tmp_path, monkeypatch):
                                              "--checkpoint-dir 'runs/my run' --results record.json"}))
     assert check_results_path(record, "runs/my run") == record               # its own run, evaluated again
     for folder in ("runs/other", None):
-        with pytest.raises(ValueError, match=r"exists and is the record of another run \(its folder: .*my run\)"):
+        with pytest.raises(ValueError, match=r"exists and is the record of another run \(its folder: runs/my run, "
+                                             "relative to the folder it was started in, where it resumes\)"):
             check_results_path(record, folder)
+    elsewhere = tmp_path / "elsewhere"  # the same run, from another working folder: refused, and the message says
+    elsewhere.mkdir()                   # where that run resumes
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ValueError, match="relative to the folder it was started in"):
+        check_results_path(record, tmp_path / "runs" / "my run")
+    absolute = tmp_path / "absolute.json"  # a run named by an absolute folder resumes from anywhere
+    absolute.write_text(json.dumps({"command": f"python -m annotated_transformer train --checkpoint-dir "
+                                               f"{shlex.quote(str(tmp_path / 'runs' / 'abs'))} --results absolute.json"}))
+    assert check_results_path(absolute, tmp_path / "runs" / "abs") == absolute
     (tmp_path / "notes.txt").write_text("my notes")
     with pytest.raises(ValueError, match="exists and is a file that is not a record of this run"):
         check_results_path(tmp_path / "notes.txt", "runs/my run")
@@ -522,7 +533,7 @@ def test_a_records_run_folder_is_read_from_either_form_of_the_option_and_never_f
     record = tmp_path / "record.json"
     record.write_text(json.dumps({"command": "python -m annotated_transformer train "
                                              "--checkpoint-dir=runs/mine --results record.json"}))
-    assert recorded_folder(record) == (tmp_path / "runs" / "mine").resolve()
+    assert recorded_folder(record) == Path("runs/mine")  # as named: relative to where the run started
     assert check_results_path(record, "runs/mine") == record
     monkeypatch.setattr("sys.stdin", io.StringIO("--checkpoint-dir runs/mine"))  # must not be read
     record.write_text(json.dumps({"command": None}))

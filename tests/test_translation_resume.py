@@ -2,13 +2,14 @@
 its checkpoints, every checkpoint names its task and its tokenizer, the tokenizer file and valid.json stay exact,
 and the options that would fail late are refused before anything is trained or made.
 
-Tiny runs (a 32-wide model, a few dozen steps on a slice of the data, on the CPU); data from
-ANNOTATED_TRANSFORMER_DATA (or ../shared/datasets/multi30k), tokenizers in a temporary cache.
+Tiny runs (a 32-wide model, a few dozen steps on a slice of the data, on the CPU); data from the
+folder that tests/local_data.py finds, tokenizers in a temporary cache.
 """
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,14 +19,13 @@ from annotated_transformer import data
 from annotated_transformer.checkpoints import list_checkpoints, load_checkpoint, write_state
 from annotated_transformer.cli import main
 from annotated_transformer.data import checkpoint_tokenizer, tokenizer_digest
-from annotated_transformer.download import DATA_ENV
 from annotated_transformer.records import record_experiment
 from annotated_transformer.translation import load_translator, run_settings, train_translator, translation_config
 
+from local_data import needs_data
 from test_translation import FOLDER, ROOT, environment  # noqa: F401 (a fixture: the data and a fresh cache)
 
-pytestmark = pytest.mark.skipif(not (FOLDER / "train.de.gz").exists(),
-                                reason=f"the Multi30k files are not available (set {DATA_ENV})")
+pytestmark = needs_data
 
 TINY = dict(vocab_size=500, train_limit=2000, max_len=20, N=1, d_model=32, d_ff=64, h=2, dropout=0.0,
             max_tokens=600, steps=20, warmup=10, factor=0.5, checkpoint_every=5, average=2, eval_every=10,
@@ -83,6 +83,28 @@ def test_a_resume_with_other_settings_is_refused_naming_each_difference(finished
     for key, value in changes.items():
         assert f"{key} (checkpoint {before_settings[key]!r}, this run {value!r})" in str(error.value)
     assert untouched(folder) == before
+
+
+def test_a_model_that_cannot_be_built_is_refused_before_its_folder_is_made(environment, tmp_path):
+    """An odd d_model (sinusoidal positions come in pairs) is refused before the run folder and its tokenizer file
+    exist: the same command, corrected, then starts a new run instead of being told to resume one."""
+    config = translation_config("quick", **dict(TINY, d_model=33, h=3))
+    with pytest.raises(ValueError, match="d_model must be even"):
+        train_translator(config, tmp_path / "run", **QUIET)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_linear_decay_resumes_only_to_the_steps_it_decays_over(environment, tmp_path):
+    """A linear decay reaches zero at its ``steps``: a resume with more steps would restart the decay from near
+    zero under a schedule that neither part followed, so it is refused, naming both; equation (3) has no end."""
+    torch.set_num_threads(1)
+    config = translation_config("quick", **dict(TINY, decay="linear"))
+    train_translator(config, tmp_path / "run", **QUIET)
+    before = untouched(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"holds a run with other settings .*steps \(checkpoint 20, this run 30\)"):
+        train_translator(replace(config, steps=30), tmp_path / "run", resume=True, **QUIET)
+    assert untouched(tmp_path / "run") == before
+    assert "steps" in run_settings(config) and "steps" not in run_settings(replace(config, decay="inverse_sqrt"))
 
 
 def test_a_folder_without_a_decay_setting_resumes_as_equation_3_and_refuses_a_linear_decay(finished, tmp_path):
