@@ -393,12 +393,11 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
     """Refuse impossible arguments of ``train``; return micro-batch ``i`` as f(i)."""
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
-    if time_limit is not None and not (  # a bool is no number of seconds; not nan, inf
+    if time_limit is not None and not (  # a bool is no number of seconds; not nan
         isinstance(time_limit, (int, float)) and not isinstance(time_limit, bool)
-        and math.isfinite(time_limit) and time_limit >= 0
+        and time_limit >= 0
     ):
-        raise ValueError(
-            f"time_limit must be finite seconds >= 0 or None, got {time_limit!r}")
+        raise ValueError(f"time_limit must be seconds >= 0 or None, got {time_limit!r}")
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(
             f"accumulation_steps must be a positive integer, got {accumulation_steps!r}"
@@ -481,7 +480,7 @@ def clock_steps(done: int, seconds: float, time_limit: float | None, steps: int,
     progress bar's total, so that the time left the bar shows is the clock's."""
     if time_limit is None:
         return None
-    if last or seconds <= 0:
+    if last or seconds <= 0 or math.isinf(time_limit):  # inf: the steps are the end
         return done if last else steps
     return max(done, min(steps, math.ceil(done * time_limit / seconds)))
 

@@ -131,7 +131,7 @@ def test_json_never_replaces_another_kind_of_record(tmp_path, capsys) -> None:
     before = record.read_text()
     assert main(["bench", "--smoke", "--only", "layers", "--device", "cpu", "--json", str(record)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --json {record} exists and is not a benchmark's record") and err.count("\n") == 1
+    assert err.startswith(f"error: {record} (--json) is a results record") and err.count("\n") == 1
     assert record.read_text() == before
     earlier = tmp_path / "bench.json"
     assert main(["bench", "--smoke", "--only", "layers", "--device", "cpu", "--json", str(earlier)]) == 0

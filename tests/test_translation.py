@@ -505,7 +505,7 @@ def test_a_results_file_of_another_run_is_never_replaced(tmp_path, monkeypatch):
     assert check_results_path(record, "runs/my run") == record               # its own run, evaluated again
     for folder in ("runs/other", None):
         with pytest.raises(ValueError, match=r"exists and is the record of another run \(its folder: runs/my run, "
-                                             "relative to the folder it was started in, where it resumes\)"):
+                                             r"relative to the folder it was started in, where it resumes\)"):
             check_results_path(record, folder)
     elsewhere = tmp_path / "elsewhere"  # the same run, from another working folder: refused, and the message says
     elsewhere.mkdir()                   # where that run resumes
