@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -13,7 +14,8 @@ import torch
 from torch import nn
 
 from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
-from annotated_transformer.decoding import check_cache_flags, greedy_decode, static_step
+from annotated_transformer.decoding import (check_cache_flags, check_symbols,
+                                            greedy_decode, static_step)
 from annotated_transformer.masks import padding_mask
 from annotated_transformer.runtime import as_int, evaluating
 
@@ -24,7 +26,12 @@ MAX_ALPHA = 10.0  # the largest alpha: far beyond any tuned one, and lp stays fi
 
 def length_penalty_factor(length: int, alpha: float = 0.6, kind: str = "gnmt") -> float:
     """The divisor of a hypothesis' log-probability: GNMT's ((5 + |Y|) / 6)^alpha,
-    |Y|^alpha, or 1."""
+    |Y|^alpha, or 1, for ``length`` >= 1 generated tokens, alpha in [0, MAX_ALPHA]."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"length must be an int >= 1, got {length!r}")
+    if isinstance(alpha, bool) or not (  # not NaN, not a string
+            isinstance(alpha, numbers.Real) and 0 <= alpha <= MAX_ALPHA):
+        raise ValueError(f"length_penalty must be in [0, {MAX_ALPHA:g}], got {alpha!r}")
     if kind == "gnmt":
         return ((5.0 + length) / 6.0) ** alpha
     if kind == "simple":
@@ -82,6 +89,7 @@ def beam_search(
     beam_size, n_best = as_int(beam_size, "beam_size"), as_int(n_best, "n_best")
     check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalty)
     check_cache_flags(True, static, compile)
+    check_symbols(model, max_len, start_symbol, end_symbol)
     if src.size(0) == 0:  # no sentences: no hypotheses
         return []
     batch, k, device = src.size(0), beam_size, src.device
@@ -150,8 +158,8 @@ def beam_decoder(model, memory, src_mask, k, max_len, static=False, compile=Fals
     (``static=True``) repeats only its cross-attention keys and values, and
     ``compile=True`` compiles its step.
     """
-    if src_mask is not None:                  # None: every source position is visible
-        src_mask = src_mask.repeat_interleave(k, dim=0)
+    if src_mask is not None and src_mask.size(0) != 1:  # None: all visible; 1 row:
+        src_mask = src_mask.repeat_interleave(k, dim=0)   # broadcast to every beam
     if static:
         cache = StaticDecoderCache(model.decoder, memory, max_len, rows_per_sentence=k)
         return cache, static_step(model, memory, src_mask, cache, compile)
@@ -178,10 +186,7 @@ def check_beam_arguments(
         raise ValueError(
             f"src must have shape (batch, length >= 1), got {tuple(src.shape)}"
         )
-    alpha = length_penalty  # at most MAX_ALPHA
-    if not (isinstance(alpha, (int, float)) and 0 <= alpha <= MAX_ALPHA):  # and not NaN
-        raise ValueError(f"length_penalty must be in [0, {MAX_ALPHA:g}], got {alpha!r}")
-    length_penalty_factor(1, length_penalty, penalty)  # validates the kind
+    length_penalty_factor(1, length_penalty, penalty)  # validates alpha and the kind
 
 
 def set_aside_finished(
@@ -370,6 +375,7 @@ def translate_ids(
         raise ValueError(
             f"beam_size and batch_size must be >= 1, got {beam_size} and {batch_size}"
         )
+    length_penalty_factor(1, length_penalty, penalty)  # greedy too: no bad one passes
     if isinstance(sources, (str, bytes)):
         raise TypeError(
             "sources must be a list of sources (each a list of token ids), got one "

@@ -13,7 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
 from annotated_transformer.masks import padding_mask, subsequent_mask
-from annotated_transformer.runtime import evaluating, get_device
+from annotated_transformer.runtime import as_int, evaluating, get_device
 from annotated_transformer.copy_task import copy_batches
 
 
@@ -50,8 +50,12 @@ def greedy_decode(
             f"src must have shape (batch, length >= 1), got {tuple(src.shape)}"
         )
     check_cache_flags(use_cache, static, compile)
-    memory = model.encode(src, src_mask)
+    check_symbols(model, max_len, start_symbol, end_symbol)
     batch = src.size(0)
+    if batch == 0:  # no sentences: the start column alone
+        ys = src.new_empty((0, 1))
+        return (ys, ys.new_zeros((0, 0), dtype=torch.float)) if return_log_probs else ys
+    memory = model.encode(src, src_mask)
     ys = torch.full((batch, 1), start_symbol, dtype=src.dtype, device=src.device)
     chosen = []
     finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
@@ -99,6 +103,24 @@ def check_cache_flags(use_cache, static, compile) -> None:
     if compile and not static:
         raise ValueError("compile=True needs static=True: a growing cache changes "
                          "shape at every step")
+
+
+def check_symbols(model, max_len, start_symbol, end_symbol=None) -> None:
+    """Refuse, before any work, a start or end symbol that is no token id of
+    ``model``'s vocabulary, and a ``max_len`` beyond its target positional table."""
+    # (a stand-in model may have neither a generator's projection nor a table)
+    vocab = getattr(getattr(model.generator, "proj", None), "out_features", None)
+    for name, symbol in (("start_symbol", start_symbol), ("end_symbol", end_symbol)):
+        if symbol is None and name == "end_symbol":  # no end symbol: full length
+            continue
+        symbol = as_int(symbol, name)  # a bool or a float: a TypeError
+        if vocab is not None and not 0 <= symbol < vocab:
+            raise ValueError(f"{name} must be a token id in [0, {vocab}), got {symbol}")
+    embed = getattr(model, "tgt_embed", None)
+    table = getattr(getattr(embed, "position", None), "max_len", None)
+    if table is not None and max_len > table:
+        raise ValueError(f"max_len is {max_len}, but the model's positional table has "
+                         f"{table} positions")
 
 
 def copy_accuracy(
@@ -207,7 +229,7 @@ def static_step(model, memory, src_mask, cache, compile=False):
     # would be compiled again for them. A mask made by unsqueeze is a view, and dynamo
     # guards on the tensor it views (a beam's repeated mask views none): a copy of
     # its own gives every caller the same kind of mask, and one graph
-    src_mask = src_mask.clone() if compile else src_mask
+    src_mask = src_mask.clone() if compile and src_mask is not None else src_mask
     return lambda tokens: step(model, memory, src_mask, cache, tokens.contiguous())
 
 

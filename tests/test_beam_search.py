@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,6 +79,13 @@ def test_length_penalty_values():
     assert length_penalty_factor(30, 0.0, "gnmt") == 1.0
     with pytest.raises(ValueError, match="length penalty kind"):
         length_penalty_factor(3, 0.6, "average")
+    assert length_penalty_factor(7, np.float32(0.6)) == pytest.approx(2.0 ** 0.6)  # any real alpha
+    for length in (0, -7, True, "3", 2.0):  # |Y| counts generated tokens: at least 1 (0 or -7: 0 or complex)
+        with pytest.raises(ValueError, match="length must be an int >= 1"):
+            length_penalty_factor(length)
+    for alpha in (-0.1, float("nan"), 1000.0, True, "0.6"):  # 1000: an OverflowError; nan: nan
+        with pytest.raises(ValueError, match=r"length_penalty must be in \[0, 10\]"):
+            length_penalty_factor(100, alpha)
 
 
 # --- equivalences ------------------------------------------------------------------------------------------------
@@ -389,6 +397,10 @@ def test_translate_ids_and_translate_refuse_bad_input():
     model, tok = copy_model(), TokenIds(11)
     with pytest.raises(ValueError, match="beam_size and batch_size"):
         translate_ids(model, tok, [[1, 3]], beam_size=0)
+    with pytest.raises(ValueError, match="length_penalty must be in"):  # greedy too: never silently ignored
+        translate_ids(model, tok, [[1, 3]], beam_size=1, length_penalty=-3.0)
+    with pytest.raises(ValueError, match="length penalty kind"):
+        translate_ids(model, tok, [[1, 3]], beam_size=1, penalty="gmnt")
     with pytest.raises(ValueError, match="at least one token"):
         translate_ids(model, tok, [[1, 3], []])
     with pytest.raises(ValueError, match="sentence 1 is empty"):

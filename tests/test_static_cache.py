@@ -372,3 +372,71 @@ def test_every_benchmark_method_decodes_the_same_and_a_bad_method_is_refused():
         decode_with("greedy, cached", model, src, None, 6, START, END)
     with pytest.raises(ValueError, match="must start with 'greedy, no cache'"):
         decoding_throughput(dict(N=1, d_model=16, d_ff=32, h=2, vocab=30), methods=("greedy, cache",))
+
+
+# ---------------------------------------------------------------- arguments every cache kind shares
+
+CACHES = [dict(use_cache=False), dict(), dict(static=True)]
+
+
+def test_a_max_len_beyond_the_table_is_refused_by_every_cache_kind_before_any_work(small_model, monkeypatch):
+    model = small_model()
+    src, mask = padded_batch()
+    monkeypatch.setattr(model, "encode", lambda *args: pytest.fail("encoded before the check"))
+    table = model.tgt_embed.position.max_len
+    for kind in CACHES:
+        with pytest.raises(ValueError, match=f"max_len is {table + 1}, but the model's positional table"):
+            greedy_decode(model, src, mask, table + 1, START, END, **kind)
+    for static in (False, True):
+        with pytest.raises(ValueError, match=f"max_len is {table + 1}"):
+            beam_search(model, src, mask, table + 1, START, END, beam_size=2, static=static)
+
+
+@pytest.mark.parametrize("symbols, error, match", [
+    ((10, END), ValueError, r"start_symbol must be a token id in \[0, 10\), got 10"),
+    ((-1, END), ValueError, r"start_symbol must be a token id in \[0, 10\), got -1"),
+    ((START, 10), ValueError, r"end_symbol must be a token id in \[0, 10\), got 10"),
+    ((True, END), TypeError, "start_symbol must be an integer, got a bool"),
+    ((START, 2.0), TypeError, "end_symbol must be an integer, got float"),
+])
+def test_a_symbol_outside_the_vocabulary_is_refused_by_name(small_model, symbols, error, match):
+    model = small_model()  # a vocabulary of 10
+    src, mask = padded_batch()
+    for kind in CACHES:
+        with pytest.raises(error, match=match):
+            greedy_decode(model, src, mask, 5, *symbols, **kind)
+    with pytest.raises(error, match=match):
+        beam_search(model, src, mask, 5, *symbols, beam_size=2)
+
+
+def test_an_empty_batch_decodes_to_an_empty_batch_with_every_cache_kind(small_model):
+    model = small_model()
+    src = torch.zeros((0, 5), dtype=torch.long)
+    for kind in CACHES:
+        tokens, scores = greedy_decode(model, src, padding_mask(src, PAD), 6, START, END, return_log_probs=True,
+                                       **kind)
+        assert tokens.shape == (0, 1) and scores.shape == (0, 0)
+    assert beam_search(model, src, padding_mask(src, PAD), 6, START, END, beam_size=2, static=True) == []
+
+
+def test_one_mask_row_for_the_whole_batch_is_broadcast_to_every_beam(small_model):
+    """A (1, 1, S) mask, which the encoder and greedy_decode accept for a batch, also serves beam search's B k rows."""
+    model = small_model()
+    src = torch.randint(3, 10, (2, 6), generator=torch.Generator().manual_seed(3))
+    one_row = torch.ones(1, 1, 6, dtype=torch.bool)
+    for static in (False, True):
+        found = beam_search(model, src, one_row, 7, START, END, beam_size=3, static=static)
+        full = beam_search(model, src, one_row.expand(2, 1, 6), 7, START, END, beam_size=3, static=static)
+        assert [[h.tokens.tolist() for h in hyps] for hyps in found] == [[h.tokens.tolist() for h in hyps]
+                                                                            for hyps in full]
+
+
+def test_the_compiled_step_decodes_without_a_mask(small_model, counted_compile):
+    """src_mask=None (every source position visible) is valid for the compiled step, as for the others."""
+    model = small_model()
+    src, _ = padded_batch()
+    expected = greedy_decode(model, src, None, 8, START, END)
+    assert torch.equal(greedy_decode(model, src, None, 8, START, END, static=True, compile=True), expected)
+    found = beam_search(model, src, None, 8, START, END, beam_size=2, static=True, compile=True)
+    assert [hyps[0].tokens.tolist() for hyps in found] == [
+        hyps[0].tokens.tolist() for hyps in beam_search(model, src, None, 8, START, END, beam_size=2)]
