@@ -272,6 +272,12 @@ def run(
     device's precision of training, by the runtime's rules."""
     if batch_sizes and min(batch_sizes) < 1:
         raise ValueError(f"--batch-sizes must be positive, got {list(batch_sizes)}")
+    if batch_sizes and "decoding" not in sections:  # else quietly ignored
+        raise ValueError("--batch-sizes sets the decoding section's batches: run that "
+                         "section (--only decoding)")
+    if compile and not {"training", "profile"} & set(sections):
+        raise ValueError("--compile compiles the training step: run the training or "
+                         "profile section")
     check_json_path(json_path)
     if threads is not None:
         most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)  # far more would only thrash

@@ -213,7 +213,12 @@ def read_stream(path, read_file) -> list[str]:
 
 def read_parallel(source, reference, read_file) -> list[tuple[str, str]]:
     """(German, English) pairs from two line-aligned files, read by ``read_stream``;
-    refuse files of different lengths or empty lines."""
+    refuse files of different lengths or empty lines, or one file given as both."""
+    if str(source) == str(reference) or (
+            os.path.exists(source) and os.path.exists(reference)
+            and os.path.samefile(source, reference)):  # scores a text against itself
+        raise ValueError(f"{source} is both the source and the reference: the "
+                         "reference is a translation of the source, a file of its own")
     sources = read_stream(source, read_file)
     references = read_stream(reference, read_file)
     if len(sources) != len(references):

@@ -262,11 +262,17 @@ IN_PROCESS = [
      "de.txt has 1 lines but en.txt has 2", None),
     ("evaluate-source-a-folder", evaluate("--source", "a_folder", "--reference", "en.txt"), "a_folder is a folder",
      None),
+    ("evaluate-source-is-reference", evaluate("--source", "de.txt", "--reference", "./de.txt"),
+     "de.txt is both the source and the reference", None),
     ("evaluate-missing-checkpoint", ["evaluate", "--checkpoint", "missing.pt"], "no checkpoint at missing.pt", None),
     ("bench-section-unknown", bench("--only", "speed"), "argument --only: invalid choice: 'speed'", None),
     ("bench-device-unknown", bench("--device", "nonsense"), "got 'nonsense'", None),
     ("bench-cpu-clock-threads", bench("--device", "cpu", "--clock", "cpu", "--threads", "2"), "--clock cpu needs",
      None),
+    ("bench-batch-sizes-without-decoding", bench("--only", "training", "--batch-sizes", "4"),
+     "--batch-sizes sets the decoding section's batches", None),
+    ("bench-compile-without-training", bench("--only", "decoding", "--compile"),
+     "--compile compiles the training step", None),
 ]
 
 
