@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 # Chapters and tests run JOBS at a time; one math thread each keeps them from fighting over the cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: all setup lab book html test unit chapters site tangle check bench clean
+.PHONY: all setup lab book html test unit chapters site tangle check data bench clean
 
 all: test
 
@@ -63,8 +63,14 @@ html: $(STAMP)
 book: check html
 	@echo "The book is in _build/html/index.html"
 
-unit: $(STAMP)
-	$(PY) -m pytest tests -n $(JOBS) -m "not site"
+# The Multi30k files, each checked by its SHA-256: in the folder named by ANNOTATED_TRANSFORMER_DATA, else in the
+# cache (~/.cache/annotated_transformer), downloaded there if missing. The tests that read them run only where they
+# are: AT_REQUIRE_DATA=1 makes a missing file a failure of `make test`, never a silent skip.
+data: $(STAMP)
+	$(PY) -c "from annotated_transformer.download import MULTI30K_FILES, fetch; [fetch(n) for n in MULTI30K_FILES]"
+
+unit: $(STAMP) data
+	AT_REQUIRE_DATA=1 $(PY) -m pytest tests -n $(JOBS) -m "not site"
 
 chapters: $(STAMP)
 	$(PY) -m pytest book -n $(JOBS) --dist loadfile --nbval-lax --nbval-current-env
@@ -74,9 +80,9 @@ site: $(STAMP)
 
 # Unit tests and every chapter through nbval in one pytest run, the tangle check, the book build from the chapters
 # as that run executed them (none runs twice with the build tools), the site check.
-test: check
+test: check data
 	rm -rf _build/executed
-	$(PY) -m pytest tests book -n $(JOBS) --dist loadfile --nbval-lax --nbval-current-env -m "not site" \
+	AT_REQUIRE_DATA=1 $(PY) -m pytest tests book -n $(JOBS) --dist loadfile --nbval-lax --nbval-current-env -m "not site" \
 		--save-executed _build/executed
 	$(MAKE) --no-print-directory html EXECUTED=_build/executed
 	$(MAKE) --no-print-directory site

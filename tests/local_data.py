@@ -1,7 +1,8 @@
 """Where the tests find the Multi30k files: the folder named by ANNOTATED_TRANSFORMER_DATA where it is set; else the
-shared folder beside the repository (../shared/datasets/multi30k), then the download cache, where a chapter or the
-GitHub workflow fetched them. The tests that need the files skip without them, but fail where AT_REQUIRE_DATA=1
-(.ci/run and the workflow set it): a run that has the data must not pass by skipping the tests that read it."""
+shared folder beside the repository (../shared/datasets/multi30k), then the download cache, where `make test`'s data
+step or a chapter fetched them. The tests that need the files skip without them, but fail where AT_REQUIRE_DATA=1
+(`make test` and `make unit` set it, after fetching the files): a run that has the data must not pass by skipping
+the tests that read it."""
 from __future__ import annotations
 
 import os
