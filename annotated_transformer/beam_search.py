@@ -89,7 +89,7 @@ def beam_search(
     beam_size, n_best = as_int(beam_size, "beam_size"), as_int(n_best, "n_best")
     check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalty)
     check_cache_flags(True, static, compile)
-    check_symbols(model, max_len, start_symbol, end_symbol)
+    check_symbols(model, max_len, start_symbol, end_symbol, src)
     if src.size(0) == 0:  # no sentences: no hypotheses
         return []
     batch, k, device = src.size(0), beam_size, src.device

@@ -50,7 +50,7 @@ def greedy_decode(
             f"src must have shape (batch, length >= 1), got {tuple(src.shape)}"
         )
     check_cache_flags(use_cache, static, compile)
-    check_symbols(model, max_len, start_symbol, end_symbol)
+    check_symbols(model, max_len, start_symbol, end_symbol, src)
     batch = src.size(0)
     if batch == 0:  # no sentences: the start column alone
         ys = src.new_empty((0, 1))
@@ -105,9 +105,10 @@ def check_cache_flags(use_cache, static, compile) -> None:
                          "shape at every step")
 
 
-def check_symbols(model, max_len, start_symbol, end_symbol=None) -> None:
+def check_symbols(model, max_len, start_symbol, end_symbol=None, src=None) -> None:
     """Refuse, before any work, a start or end symbol that is no token id of
-    ``model``'s vocabulary, and a ``max_len`` beyond its target positional table."""
+    ``model``'s vocabulary, a ``max_len`` beyond its target positional table, and a
+    ``src`` on another device than the model's weights."""
     # (a stand-in model may have neither a generator's projection nor a table)
     vocab = getattr(getattr(model.generator, "proj", None), "out_features", None)
     for name, symbol in (("start_symbol", start_symbol), ("end_symbol", end_symbol)):
@@ -121,6 +122,10 @@ def check_symbols(model, max_len, start_symbol, end_symbol=None) -> None:
     if table is not None and max_len > table:
         raise ValueError(f"max_len is {max_len}, but the model's positional table has "
                          f"{table} positions")
+    weight = next(model.parameters(), None) if isinstance(model, nn.Module) else None
+    if src is not None and weight is not None and src.device != weight.device:
+        raise ValueError(f"src is on {src.device} but the model on {weight.device}: "
+                         "move one to the other's device")
 
 
 def copy_accuracy(

@@ -440,3 +440,15 @@ def test_the_compiled_step_decodes_without_a_mask(small_model, counted_compile):
     found = beam_search(model, src, None, 8, START, END, beam_size=2, static=True, compile=True)
     assert [hyps[0].tokens.tolist() for hyps in found] == [
         hyps[0].tokens.tolist() for hyps in beam_search(model, src, None, 8, START, END, beam_size=2)]
+
+
+def test_a_source_on_another_device_than_the_model_is_refused_by_name(small_model):
+    """Checked before the encoder runs, instead of PyTorch's error from deep inside the embedding (here with the
+    meta device, which every machine has, standing in for a GPU)."""
+    model = small_model()
+    src = torch.ones((2, 4), dtype=torch.long, device="meta")
+    for kind in CACHES:
+        with pytest.raises(ValueError, match="src is on meta but the model on cpu"):
+            greedy_decode(model, src, None, 5, START, END, **kind)
+    with pytest.raises(ValueError, match="src is on meta but the model on cpu"):
+        beam_search(model, src, None, 5, START, END, beam_size=2)
