@@ -238,6 +238,8 @@ IN_PROCESS = [
     ("copy-keep-last-without-folder", train("--checkpoint-every", "5", "--keep-last", "2"),
      "--checkpoint-every and --keep-last need --checkpoint-dir", None),
     ("copy-resume-nothing", train("--resume", "--checkpoint-dir", "a_folder"), "a_folder holds no checkpoint", None),
+    ("resume-no-such-folder", train("--resume", "--checkpoint-dir", "runs/typo"),
+     "runs/typo holds no checkpoint to resume: no such folder", None),
     ("multi30k-without-folder", ["train", "--task", "multi30k", "--profile", "quick"],
      "--task multi30k needs --checkpoint-dir", None),
     ("steps-beyond-a-billion", train("--steps", "1000000001"), usage("--steps", "1000000001", STEP_COUNT), None),
@@ -410,6 +412,13 @@ def test_the_translation_task_under_torchrun_is_refused_before_any_work(place) -
     check_refusal(result.returncode, result.stdout.decode(), result.stderr.decode(),
                   "--task multi30k trains on one device: run it without torchrun")
     assert not (place / "run").exists()
+
+
+def test_a_resume_of_a_folder_that_does_not_exist_makes_no_folder(place) -> None:
+    result = shell(place, train("--resume", "--checkpoint-dir", "typo/run"))
+    check_refusal(result.returncode, result.stdout.decode(), result.stderr.decode(),
+                  "typo/run holds no checkpoint to resume: no such folder")
+    assert not (place / "typo").exists()  # a mistyped path leaves nothing behind
 
 
 def test_at_device_meta_is_one_line(place) -> None:
