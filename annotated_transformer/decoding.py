@@ -218,10 +218,6 @@ def static_step(model, memory, src_mask, cache, compile=False):
     are then marked as static addresses, so that a CUDA graph may write into them (they
     never move: reorder copies in place).
     """
-    table = getattr(getattr(model.tgt_embed, "position", None), "max_len", None)
-    if table is not None and cache.max_len > table:  # no step checks a position tensor
-        raise ValueError(f"max_len is {cache.max_len}, but the model's positional "
-                         f"table has {table} positions")
     step = compiled_decode_step(memory.device) if compile else decode_step
     if compile and memory.device.type != "cuda":
         thaw_if_changed(model)

@@ -390,12 +390,12 @@ def download_model(url: str, folder) -> dict[str, Path]:
                                 f"{url} a release of the translator, a folder URL such "
                                 f"as {RELEASE_URL}?") from error
     sums = read_sums(text, url + MODEL_SUMS)
-    check_model_folder(folder, sums)
+    there = check_model_folder(folder, sums)  # each file hashed once
     fetched = {}
     for name in MODEL_FILES:
         path = folder / name
         remove_stale_parts(path)  # left by a download that was killed
-        if not (path.is_file() and sha256(path) == sums[name]):
+        if name not in there:
             try:
                 download(url + name, path, name, expected=sums[name])
             except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
@@ -412,12 +412,12 @@ def download_model(url: str, folder) -> dict[str, Path]:
 TRAINING_FILE = re.compile(r"step_\d+\.pt|valid\.json|\.run\.lock")
 
 
-def check_model_folder(folder: Path, sums: dict[str, str]) -> None:
-    """Refuse a folder that holds a training run, or a model file that neither is the
-    release's (``sums``) nor came from an earlier download (the folder's own
-    SHA256SUMS lists it): a release replaces nothing but an earlier release."""
+def check_model_folder(folder: Path, sums: dict[str, str]) -> set[str]:
+    """The names of the files already the release's (``sums``); refuse a folder that
+    holds a training run, or a model file that no earlier download made (the folder's
+    own SHA256SUMS lists those): a release replaces nothing but an earlier release."""
     if not folder.is_dir():
-        return
+        return set()
     run = sorted(p.name for p in folder.iterdir() if TRAINING_FILE.fullmatch(p.name))
     if run:
         raise ValueError(f"{folder} holds a training run ({', '.join(run[:3])}): "
@@ -426,8 +426,10 @@ def check_model_folder(folder: Path, sums: dict[str, str]) -> None:
         earlier = read_sums((folder / MODEL_SUMS).read_text(), str(folder / MODEL_SUMS))
     except (OSError, UnicodeDecodeError, ValueError):
         earlier = {}
-    for name in MODEL_FILES:
-        path = folder / name
-        if path.is_file() and sha256(path) not in (sums[name], earlier.get(name)):
-            raise ValueError(f"{path} exists and no earlier download made it: "
+    there = {name: sha256(folder / name) for name in MODEL_FILES
+             if (folder / name).is_file()}
+    for name, digest in there.items():
+        if digest not in (sums[name], earlier.get(name)):
+            raise ValueError(f"{folder / name} exists and no earlier download made it: "
                              "download into another folder, or move it away first")
+    return {name for name, digest in there.items() if digest == sums[name]}

@@ -148,8 +148,8 @@ def check_settings(config: TranslationConfig) -> None:
     if config.decay == "linear" and config.steps <= config.warmup:
         raise ValueError(f"a linear decay needs steps ({config.steps}) above warmup "
                          f"({config.warmup})")
-    if config.minutes is not None and config.minutes > MOST_MINUTES:  # (1e307 minutes
-        raise ValueError(f"minutes must be at most {MOST_MINUTES:,}, got "  # are inf s)
+    if config.minutes is not None and config.minutes > MOST_MINUTES:
+        raise ValueError(f"minutes must be at most {MOST_MINUTES:,}, got "
                          f"{config.minutes!r}")
     if not 0 <= config.length_penalty <= MAX_ALPHA:  # beam search's range; not nan, inf
         raise ValueError(f"length_penalty must lie in [0, {MAX_ALPHA:g}], "

@@ -22,8 +22,8 @@ from annotated_transformer.data import checkpoint_tokenizer, tokenizer_digest
 from annotated_transformer.records import record_experiment
 from annotated_transformer.translation import load_translator, run_settings, train_translator, translation_config
 
-from local_data import needs_data
-from test_translation import FOLDER, ROOT, environment  # noqa: F401 (a fixture: the data and a fresh cache)
+from local_data import FOLDER, ROOT, needs_data  # noqa: F401
+from test_translation import environment  # noqa: F401 (a fixture: the data and a fresh cache)
 
 pytestmark = needs_data
 
