@@ -60,8 +60,7 @@ def write_atomically(path, write, *, mode: str = "wb") -> Path:
             os.fsync(stream.fileno())
         os.replace(temporary, path)
     except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+        Path(temporary).unlink(missing_ok=True)
         raise
     if os.name == "posix":  # the rename, too, on the disk (a power cut could undo it)
         folder = os.open(path.parent, os.O_RDONLY)
@@ -175,8 +174,7 @@ def read_checkpoint_file(path: Path, map_location="cpu"):
         return torch.load(path, map_location=map_location, weights_only=True)
     except PermissionError:
         raise
-    # RuntimeError, EOFError, OSError, KeyError, pickle's errors, ...: all mean one
-    # thing
+    # RuntimeError, EOFError, OSError, KeyError, pickle's errors: all mean one thing
     except Exception as error:
         reason = torch_reason(error)
         if "Unsupported global" in reason:
@@ -429,6 +427,9 @@ def check_run_folder(
         raise ValueError(
             f"{folder} is a file, not a folder: checkpoints need a folder of their own"
         )
+    if resume is True and not folder.exists():  # a mistyped path: make no folder
+        raise FileNotFoundError(
+            f"{folder} holds no checkpoint to resume: no such folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         handle, probe = tempfile.mkstemp(
@@ -511,7 +512,8 @@ def run_folder(directory, config: dict, *, resume=False, hold: bool = True,
                older: dict | None = None):
     """Hold ``directory`` (None: none) while the block runs; yield it: locked, checked,
     cleaned (take_lock, check_run_folder, clean_leftovers); ``hold=False``: checked."""
-    folder = None if directory is None else check_run_folder(directory, None)
+    folder = None if directory is None else check_run_folder(
+        directory, None, resume=resume)
     handle = take_lock(folder / LOCK_FILE) if folder and hold and fcntl else None
     try:
         if folder and check_run_folder(folder, config, resume=resume,

@@ -277,10 +277,6 @@ def run_train(args) -> int:
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):  # torchrun's; a user may set them
         if not os.environ.get(name, "0").isdigit():
             raise ValueError(f"${name} must be a whole number: {os.environ[name]!r}")
-    folder = args.checkpoint_dir
-    if args.resume and folder and not os.path.exists(folder):  # before any is made
-        raise FileNotFoundError(
-            f"{folder} holds no checkpoint to resume: no such folder")
     if args.task == "multi30k" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(
             "--task multi30k trains on one device: run it without torchrun")

@@ -31,6 +31,7 @@ from annotated_transformer.checkpoints import (
     load_latest_checkpoint,
     model_from_checkpoint,
     rotate_checkpoints,
+    run_folder,
     save_checkpoint,
 )
 from annotated_transformer.cli import main
@@ -429,6 +430,14 @@ def test_leftovers_of_killed_saves_are_removed_and_reported(tmp_path):
 def test_check_run_folder(tmp_path, monkeypatch):
     config = tiny_model().config
     new = tmp_path / "a" / "b"
+    missing = "/a/b holds no checkpoint to resume: no such folder"
+    with pytest.raises(FileNotFoundError, match=missing):  # a mistyped folder: none is made
+        check_run_folder(new, config, resume=True)
+    with pytest.raises(FileNotFoundError, match=missing), run_folder(new, config, resume=True):
+        pass
+    with pytest.raises(FileNotFoundError, match=missing):
+        train_copy_task(steps=2, checkpoint_dir=new, resume=True, **COPY)
+    assert not (tmp_path / "a").exists()
     assert check_run_folder(new, config, resume=False) == new and new.is_dir() and not list(new.iterdir())
     with pytest.raises(FileNotFoundError, match="holds no checkpoint to resume$"):
         check_run_folder(new, config, resume=True)
