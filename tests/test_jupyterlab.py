@@ -1,4 +1,4 @@
-"""Opening and saving a chapter in JupyterLab (`make lab`) leaves it valid (DESIGN.md, "Tangling").
+"""Opening and saving a chapter in JupyterLab (`make lab`) leaves it valid (README, "Reading a chapter as a notebook").
 
 JupyterLab opens a chapter through jupytext's contents manager: it reads the MyST file as a notebook, the kernel
 adds its own metadata, and every save writes the notebook back as MyST with the project's jupytext settings. The

@@ -1,4 +1,5 @@
-"""Every chapter runs where a reader runs it, not only inside the book build (DESIGN.md, "Profiles and devices").
+"""Every chapter runs where a reader runs it, not only inside the book build (README, "Reading a chapter as a
+notebook").
 
 A plain GPU machine, Colab or a downloaded notebook has the package and what it depends on, but not the notebook
 build tools (myst-nb, jupytext, nbformat, nbval, ...). Here each chapter runs as a plain Python script

@@ -1,4 +1,4 @@
-"""The shape of the book and its package (DESIGN.md, "Style"): chapters use only what earlier chapters built, modules
+"""The shape of the book and its package (the book's style): chapters use only what earlier chapters built, modules
 form layers without cycles, argument parsing stays in cli.py, and modules and cells stay small enough to read.
 
 Each test collects every offence and fails once, listing them as `file:line: what is wrong`.
@@ -27,7 +27,7 @@ CLI = "cli"                      # the command line is on top of the layers and 
 MAX_MODULE_LINES = 350
 MAX_CELL_LINES = 60
 MAX_EXPORT_BEFORE_USE = 100      # lines of exported code a teaching chapter may show before it runs anything
-MAX_COLUMNS = 88                 # the site's code column (DESIGN.md, "Style")
+MAX_COLUMNS = 88                 # the site's code column
 MAX_PROSE_COLUMNS = 120          # the chapters' prose source, wrapped at 118: a diff or an editor shows it whole
 
 # These tests read the chapters with jupytext, a build tool: where it is missing (a plain GPU machine running
