@@ -256,8 +256,8 @@ def structure_problem(checkpoint: dict) -> str | None:
     for key, kind in parts.items():
         if not isinstance(checkpoint.get(key), kind):
             return f"its part {key!r} is a {type(checkpoint.get(key)).__name__}"
-    unknown = set(checkpoint["config"]) - set(inspect.signature(make_model).parameters)
-    if unknown:
+    if unknown := set(checkpoint["config"]) - set(
+            inspect.signature(make_model).parameters):
         return (f"its model configuration has setting(s) that make_model does not know "
                 f"(from a later version?): {', '.join(sorted(map(str, unknown)))}")
     if not checkpoint["rng"] or not all(isinstance(s, dict) for s in checkpoint["rng"]):
@@ -319,8 +319,7 @@ def checkpoint_path(directory, step: int) -> Path:
 def list_checkpoints(directory) -> list[Path]:
     """The checkpoints ``step_*.pt`` in ``directory``, oldest step first (intact or
     not)."""
-    directory = Path(directory)
-    if not directory.is_dir():
+    if not (directory := Path(directory)).is_dir():
         return []
     found = [
         (int(m.group(1)), p)
@@ -422,6 +421,8 @@ def check_run_folder(
 ) -> Path:
     """Check that ``directory`` is a writable folder (``config`` None: only that),
     without a run's files for a new run, or agreeing with ``config`` when resumed."""
+    if not str(directory):  # Path("") would be the working folder
+        raise ValueError("a run's folder must have a name, got ''")
     folder = Path(directory)
     if folder.exists() and not folder.is_dir():
         raise ValueError(

@@ -16,7 +16,7 @@ from annotated_transformer.runtime import (
     AmpSetting, check_settings, choose_precision, distributed_context, evaluating,
     get_profile, init_distributed, seed_everything, warn_long_warmup,
 )
-from annotated_transformer.trainer import train
+from annotated_transformer.trainer import check_training, train
 from annotated_transformer.training import (
     Batch,
     LabelSmoothing,
@@ -188,10 +188,13 @@ def train_copy_task(
             )
         )
 
+    check_training(batch, steps=config.steps, checkpoint_every=checkpoint_every,
+                   accumulation_steps=config.accumulation_steps, keep_last=keep_last,
+                   resume=False, checkpoint_dir=None)  # refused: before a folder
     with run_folder(checkpoint_dir, {**model.config, **settings}, resume=resume,
                     hold=rank == 0):  # checked before any training, held to its end
         warn_long_warmup(config)
-        if resume is True and latest_checkpoint(checkpoint_dir) is None:
+        if resume is True and checkpoint_dir and not latest_checkpoint(checkpoint_dir):
             resume = False  # it stopped before its first checkpoint: from the start
         history = train(model, batch, steps=config.steps, optimizer=optimizer,
                         scheduler=scheduler, amp=precision, device=device,

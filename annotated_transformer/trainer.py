@@ -23,9 +23,10 @@ from tqdm import tqdm
 
 from annotated_transformer.attention import attention_settings
 from annotated_transformer.checkpoints import (
-    CheckpointError, checkpoint_path, checkpoint_problem, checkpoint_state,
-    latest_checkpoint, load_checkpoint, load_latest_checkpoint, load_model_state,
-    rng_state, rotate_checkpoints, set_rng_state, write_state,
+    CheckpointError, check_run_folder, checkpoint_path, checkpoint_problem,
+    checkpoint_state, content_digest, latest_checkpoint, list_checkpoints,
+    load_checkpoint, load_latest_checkpoint, load_model_state, rng_state,
+    rotate_checkpoints, set_rng_state, write_state,
 )
 from annotated_transformer.runtime import (
     AmpSetting, Interrupted, Precision, Progress, choose_precision, compile_settings,
@@ -308,6 +309,8 @@ def train(
     both also at the end; Ctrl-C or SIGTERM ends the step, saves it and raises
     ``Interrupted``. With ``time_limit``, the end comes sooner if the training seconds
     (a resumed run's included) reach it: the step that reaches it is the last."""
+    device = next(model.parameters()).device if device is None else get_device(device)
+    precision = choose_precision(device, amp)
     get_batch = check_training(
         batches,
         steps=steps,
@@ -317,9 +320,10 @@ def train(
         checkpoint_dir=checkpoint_dir,
         eval_every=eval_every,
         time_limit=time_limit,
+        keep_last=keep_last,
+        clip_norm=clip_norm,
+        extra=extra,
     )
-    device = next(model.parameters()).device if device is None else get_device(device)
-    precision = choose_precision(device, amp)
     scaler = precision.grad_scaler()
     start, history, seconds_before = 0, None, 0.0
     if resume:
@@ -389,8 +393,10 @@ HISTORY = ("step", "loss", "nll", "lr", "tokens", "seconds")
 
 
 def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resume,
-                   checkpoint_dir, eval_every=0, time_limit=None):
-    """Refuse impossible arguments of ``train``; return micro-batch ``i`` as f(i)."""
+                   checkpoint_dir, eval_every=0, time_limit=None, keep_last=5,
+                   clip_norm=None, extra=None):
+    """Refuse impossible arguments of ``train``, then a folder that cannot take its
+    checkpoints (made only then); return micro-batch ``i`` as f(i)."""
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
     if time_limit is not None and not (  # a bool is no number of seconds; not nan
@@ -402,19 +408,41 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
         raise ValueError(
             f"accumulation_steps must be a positive integer, got {accumulation_steps!r}"
         )
-    periods = dict(checkpoint_every=checkpoint_every, eval_every=eval_every)
-    for name, every in periods.items():
+    counts = dict(checkpoint_every=checkpoint_every, eval_every=eval_every,
+                  keep_last=keep_last)
+    for name, every in counts.items():
         if not isinstance(every, int) or every < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {every!r}")
+    if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(
+            clip_norm, (int, float)) or not 0 < clip_norm < math.inf):
+        raise ValueError(
+            f"clip_norm must be a positive number or None, got {clip_norm!r}")
     if resume and checkpoint_dir is None and not isinstance(resume, (str, os.PathLike)):
         raise ValueError(
             "resume=True needs checkpoint_dir (or pass the checkpoint's path as resume)"
         )
+    if not callable(batches) and len(batches) == 0:
+        raise ValueError("batches is empty")
+    if checkpoint_dir is not None:
+        check_checkpoint_dir(checkpoint_dir, resume, extra)
     if callable(batches):
         return batches
-    if len(batches) == 0:
-        raise ValueError("batches is empty")
     return lambda index: batches[index % len(batches)]
+
+
+def check_checkpoint_dir(checkpoint_dir, resume, extra) -> None:
+    """Refuse ``extra`` that a checkpoint cannot hold, a folder that is no folder, and a
+    new run in a folder of another run's checkpoints (the rotation would delete both
+    runs' files); make the folder."""
+    try:
+        content_digest(extra or {})  # every type of value that a checkpoint holds
+    except TypeError as error:
+        raise TypeError(f"extra: {error}") from None
+    folder = check_run_folder(checkpoint_dir, None, resume=resume)  # it, writable
+    if not resume and (found := list_checkpoints(folder)):
+        raise ValueError(f"{folder} already holds checkpoints (the newest is "
+                         f"{found[-1].name}): the files of a run; resume that run "
+                         "(resume=True), or use another folder")
 
 
 def micro_batches(get_batch: Callable[[int], Batch], step: int,

@@ -575,3 +575,52 @@ def test_the_average_of_one_path_is_that_checkpoint_not_its_letters(tmp_path):
         averaged = average_checkpoints(one)
         assert averaged.keys() == expected.keys()
         assert all(torch.equal(averaged[key], expected[key]) for key in expected)
+
+
+def test_train_refuses_a_new_run_among_another_runs_checkpoints_and_loses_none(tmp_path):
+    train_tiny(tmp_path, 5, every=1)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(the newest is step_00000005.pt\).*"
+                                         r"resume that run \(resume=True\)"):
+        train_tiny(tmp_path, 2, every=1, keep_last=2, seed=1)  # its rotation would have deleted the first run's
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    train_tiny(tmp_path, 6, every=1, resume=True)  # resuming it is the way in
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(keep_last=-1), ValueError, r"keep_last must be an integer >= 0, got -1"),
+    (dict(keep_last="2"), ValueError, r"keep_last must be an integer >= 0, got '2'"),
+    (dict(clip_norm=-1.0), ValueError, r"clip_norm must be a positive number or None, got -1.0"),
+    (dict(clip_norm=0), ValueError, r"clip_norm must be a positive number or None, got 0"),
+    (dict(clip_norm=float("nan")), ValueError, r"clip_norm must be a positive number or None, got nan"),
+    (dict(clip_norm=True), ValueError, r"clip_norm must be a positive number or None, got True"),
+    (dict(extra={"data": Path("x")}), TypeError, r"extra: a checkpoint holds tensors and plain values only, not "),
+    (dict(checkpoint_dir=""), ValueError, r"a run's folder must have a name, got ''"),
+    (dict(checkpoint_dir="FILE"), ValueError, r"is a file, not a folder"),
+])
+def test_train_refuses_bad_arguments_before_any_step_or_folder(tmp_path, monkeypatch, kwargs, error, match):
+    (tmp_path / "file").write_text("x")
+    kwargs = {"checkpoint_dir": tmp_path / "run", **kwargs}
+    kwargs["checkpoint_dir"] = tmp_path / "file" if kwargs["checkpoint_dir"] == "FILE" else kwargs["checkpoint_dir"]
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model()
+    optimizer = make_optimizer(model)
+
+    def no_batch(index):
+        raise AssertionError("a step began although the arguments should have been refused")
+
+    with pytest.raises(error, match=match):
+        train(model, no_batch, steps=2, optimizer=optimizer, loss_fn=LabelSmoothing(11, 0, 0.1), progress=False,
+              **kwargs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no folder made, nothing written
+
+
+def test_the_copy_task_refuses_bad_arguments_before_making_its_folder(tmp_path):
+    new = tmp_path / "new" / "run"
+    for kwargs, match in [(dict(checkpoint_every=-1), "checkpoint_every must be an integer >= 0, got -1"),
+                          (dict(keep_last=-1), "keep_last must be an integer >= 0, got -1")]:
+        with pytest.raises(ValueError, match=match):
+            train_copy_task(steps=2, checkpoint_dir=new, **kwargs, **COPY)
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ValueError, match=r"resume=True needs checkpoint_dir"):
+        train_copy_task(steps=2, resume=True, **COPY)
