@@ -29,7 +29,8 @@ from annotated_transformer.performance import (
     training_throughput,
 )
 from annotated_transformer.records import command_line, write_json
-from annotated_transformer.runtime import choose_precision, describe_device, get_device
+from annotated_transformer.runtime import (
+    check_size, choose_precision, describe_device, get_device)
 
 
 SECTIONS = ("training", "attention", "decoding", "layers", "shapes", "profile")
@@ -111,6 +112,8 @@ def run_benchmarks(
     bfloat16 or float16 autocast on CUDA, float32 elsewhere); ``clock`` is "wall" or
     "cpu" (see ``time_side_by_side``).
     """
+    for size in batch_sizes or ():  # an empty batch would time nothing
+        check_size("each of batch_sizes", size)
     device = get_device(device)
     unknown = [name for name in sections if name not in SECTIONS]
     if unknown:
@@ -244,6 +247,8 @@ MAX_THREADS_PER_CPU = 4  # the most threads `--threads` may ask for, per CPU
 def check_json_path(path) -> None:
     """Refuse to replace a file at ``path`` that is not a benchmark's record (a
     translation run's, say): another kind of record is never replaced."""
+    if path is not None and Path(path).is_dir():  # refused before the benchmark runs
+        raise ValueError(f"--json {path} is a folder: name a file in it")
     if path is None or not Path(path).is_file():
         return
     try:
@@ -280,8 +285,9 @@ def run(
                          "profile section")
     check_json_path(json_path)
     if threads is not None:
-        most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)  # far more would only thrash
-        if not 1 <= threads <= most:  # (and 100,000 threads crash PyTorch's pool)
+        # far more would only thrash (and 100,000 threads crash PyTorch's pool)
+        most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
+        if isinstance(threads, bool) or not 1 <= threads <= most:
             raise ValueError(f"--threads must be from 1 to {most} "
                              f"({MAX_THREADS_PER_CPU} per CPU), got {threads}")
         torch.set_num_threads(threads)

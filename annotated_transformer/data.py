@@ -23,6 +23,7 @@ import torch
 from annotated_transformer.beam_search import TokenIds
 from annotated_transformer.checkpoints import write_atomically
 from annotated_transformer.download import cache_dir, fetch
+from annotated_transformer.runtime import check_size
 from annotated_transformer.training import Batch, token_batches
 
 
@@ -110,6 +111,10 @@ def train_tokenizer(
         raise ValueError(f"vocab_size must be an integer >= 8, got {vocab_size!r}")
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+    pairs = list(pairs)  # a list of str would train on its characters: refused
+    if not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str)
+               and isinstance(p[1], str) for p in pairs):
+        raise TypeError("pairs must be (source, target) pairs of str")
     lines = [side for pair in pairs for side in pair]
     if not lines:
         raise ValueError("train_tokenizer needs at least one sentence pair")
@@ -213,6 +218,7 @@ def encode_pairs(
         isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 3
     ):
         raise ValueError(f"max_len must be None or an integer >= 3, got {max_len!r}")
+    tokenizer = getattr(tokenizer, "processor", tokenizer)  # a SentencePieces: its own
     sources = tokenizer.encode([source for source, _ in pairs])
     targets = tokenizer.encode([target for _, target in pairs])
     examples = [
@@ -256,7 +262,10 @@ def padded_lengths(source: int, target: int, multiple: int = 1) -> tuple[int, in
 def collate(examples, indices=None, pad: int = PAD_ID, *, multiple: int = 1) -> Batch:
     """The ``Batch`` of ``examples`` (or of ``examples[i] for i in indices``), padded
     with ``pad`` (to the widths of :func:`padded_lengths` with ``multiple``)."""
+    check_size("multiple", multiple)
     chosen = examples if indices is None else [examples[i] for i in indices]
+    if not chosen:
+        raise ValueError("a batch needs at least one example")
     sources, targets = [s for s, _ in chosen], [t for _, t in chosen]
     width_s, width_t = padded_lengths(
         max(map(len, sources)), max(map(len, targets)), multiple
@@ -402,6 +411,9 @@ class SentencePieces:
 
     def encode(self, text: str) -> list[int]:
         """The source ids of ``text``: its pieces, then </s>."""
+        if not isinstance(text, str):  # a list's ids would come back with one </s>
+            raise TypeError(
+                f"encode takes one sentence (a str), got {type(text).__name__}")
         return self.processor.encode(text) + [EOS_ID]
 
     def decode(self, ids) -> str:

@@ -18,7 +18,7 @@ import torch
 
 from annotated_transformer.checkpoints import write_atomically
 from annotated_transformer.data import SPLITS, load_split
-from annotated_transformer.runtime import describe_device, get_device
+from annotated_transformer.runtime import check_size, describe_device, get_device
 from annotated_transformer.translation import (
     TASK, bleu_bootstrap, cross_attention_example, evaluate_bleu, train_translator,
 )
@@ -69,6 +69,7 @@ def thin(history: dict, points: int = 400) -> dict:
     """The training history over windows, at most ``points`` points: small enough for
     a results file. Loss and nll are each window's mean; the step and the training
     seconds (where the history has them), its last."""
+    check_size("points", points)
     steps = history.get("step", [])
     window = max(1, math.ceil(len(steps) / points))
     starts = range(0, len(steps), window)

@@ -37,7 +37,8 @@ def get_profile(value: str | None = None) -> str:
     if name == "auto":
         return "full" if torch.cuda.is_available() else "quick"
     if name not in PROFILES:
-        raise ValueError(f"AT_PROFILE must be 'quick', 'full' or 'auto', got {raw!r}")
+        raise ValueError(f"{'AT_PROFILE' if value is None else 'profile'} must be "
+                         f"'quick', 'full' or 'auto', got {raw!r}")
     return name
 
 
@@ -307,8 +308,9 @@ def check_settings(config, *, positive, probabilities, numbers=()) -> None:
     finite ``factor``, ``clip_norm`` and each of ``numbers`` (or None), a seed."""
     for name in positive:
         check_size(name, getattr(config, name))
-    for name in probabilities:
-        if not 0.0 <= (value := getattr(config, name)) < 1.0:
+    for name in probabilities:  # a bool or a str is no probability
+        if isinstance(value := getattr(config, name), bool) or not isinstance(
+                value, (int, float)) or not 0.0 <= value < 1.0:
             raise ValueError(f"{name} must lie in [0, 1), got {value!r}")
     if config.d_model % config.h:
         raise ValueError(f"d_model ({config.d_model}) must be divisible by h "

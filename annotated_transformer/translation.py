@@ -151,9 +151,15 @@ def check_settings(config: TranslationConfig) -> None:
     if config.minutes is not None and config.minutes > MOST_MINUTES:
         raise ValueError(f"minutes must be at most {MOST_MINUTES:,}, got "
                          f"{config.minutes!r}")
-    if not 0 <= config.length_penalty <= MAX_ALPHA:  # beam search's range; not nan, inf
-        raise ValueError(f"length_penalty must lie in [0, {MAX_ALPHA:g}], "
-                         f"got {config.length_penalty!r}")
+    for name, least in (("vocab_size", 8), ("max_len", 3)):  # tokenizer's, data's
+        if (value := getattr(config, name)) < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
+    if config.d_model % 2:  # each position is pairs of sines and cosines
+        raise ValueError(f"d_model must be even, got {config.d_model}")
+    if isinstance(alpha := config.length_penalty, bool) or not isinstance(
+            alpha, (int, float)) or not 0 <= alpha <= MAX_ALPHA:  # not nan, inf
+        raise ValueError(
+            f"length_penalty must lie in [0, {MAX_ALPHA:g}], got {alpha!r}")
     if config.profile not in ("quick", "laptop", "full"):
         raise ValueError(
             f"profile must be 'quick', 'laptop' or 'full', got {config.profile!r}"
@@ -221,7 +227,11 @@ def translation_config(profile: str | None = None, **overrides) -> TranslationCo
     if profile is None and os.environ.get("AT_PROFILE", "").strip().lower() == "laptop":
         raise ValueError("AT_PROFILE chooses quick, full or auto for the whole book; "
                          "the laptop profile is this task's: ask for it by name")
-    name = profile if profile == "laptop" else get_profile(profile)
+    if profile is not None and str(profile).strip().lower() not in (*PROFILES, "auto"):
+        raise ValueError("profile must be 'quick', 'laptop', 'full' or 'auto', got "
+                         f"{profile!r}")
+    name = ("laptop" if str(profile).strip().lower() == "laptop"
+            else get_profile(profile))
     for key in overrides:
         if key not in SETTINGS:
             raise ValueError(
@@ -282,10 +292,11 @@ def validation_loss(
 def save_translator(path, model: nn.Module, tokenizer: SentencePieces, *, step: int = 0,
                     extra: dict | None = None) -> Path:
     """Save a checkpoint that holds the model, its configuration and its tokenizer
-    (readable with weights_only)."""
+    (readable with weights_only); ``tokenizer`` may be its SentencePiece processor."""
+    processor = getattr(tokenizer, "processor", tokenizer)
     return save_checkpoint(path, model=model, step=step, extra={
-        "task": TASK, "tokenizer": tokenizer_to_tensor(tokenizer.processor),
-        "tokenizer_sha256": tokenizer_digest(tokenizer.processor), **(extra or {})})
+        "task": TASK, "tokenizer": tokenizer_to_tensor(processor),
+        "tokenizer_sha256": tokenizer_digest(processor), **(extra or {})})
 
 
 def load_translator(
@@ -550,6 +561,9 @@ def bleu(hypotheses: list[str], references: list[str], *, lowercase: bool = Fals
     """Corpus BLEU of detokenised ``hypotheses`` against one reference each: (sacreBLEU
     score, signature string). Cased by default (the standard); ``lowercase=True``
     approximates older tutorials' lower-cased BLEU."""
+    if isinstance(hypotheses, str) or isinstance(references, str):  # else characters
+        raise TypeError(
+            "hypotheses and references must be lists of sentences, not a str")
     if len(hypotheses) != len(references):
         raise ValueError(
             f"{len(hypotheses)} hypotheses but {len(references)} references"
@@ -606,6 +620,9 @@ def bleu_bootstrap(pairs, translations: dict, baseline, samples: int = 1000) -> 
     """sacreBLEU's paired bootstrap over ``pairs`` of the systems in ``translations``
     (name -> outputs): each one's BLEU, mean and 95% half-width (``ci95``) over
     ``samples`` seeded resamples, and the p-value against ``baseline`` (None for it)."""
+    if baseline not in translations:
+        raise ValueError(f"the baseline {baseline!r} is not one of the translations")
+    check_size("samples", samples)  # sacreBLEU would take 0 or less for its default
     names = [baseline, *(name for name in translations if name != baseline)]
     if any(len(translations[name]) != len(pairs) for name in names):
         raise ValueError(f"every system needs one output per pair ({len(pairs)})")

@@ -96,7 +96,7 @@ def test_bad_profile_in_environment_raises(monkeypatch, bad):
 
 @pytest.mark.parametrize("bad", ["", "fast", 3])
 def test_bad_explicit_profile_raises(clean_environment, bad):
-    with pytest.raises(ValueError, match="AT_PROFILE"):
+    with pytest.raises(ValueError, match="^profile must be .quick., .full. or .auto."):
         get_profile(bad)
 
 
@@ -121,9 +121,9 @@ def test_by_profile_follows_auto(monkeypatch):
 
 def test_by_profile_rejects_bad_profile(monkeypatch):
     monkeypatch.setenv("AT_PROFILE", "medium")
-    with pytest.raises(ValueError, match="AT_PROFILE"):
+    with pytest.raises(ValueError, match="^AT_PROFILE must be"):
         by_profile(1, 2)
-    with pytest.raises(ValueError, match="AT_PROFILE"):
+    with pytest.raises(ValueError, match="^profile must be"):
         by_profile(1, 2, profile="medium")
 
 
