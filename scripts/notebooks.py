@@ -9,10 +9,13 @@ writes, from each chapter of `_toc.yml`:
   (`repository.branch` in `_config.yml`), which is main plus them.
 - `downloads` (after `jupyter-book build`): the same for the site's downloadable `.ipynb` (the executed chapter).
 
-Either way the notebook starts with one install cell: where the package is missing (Colab, a bare Jupyter) it
-clones the repository named in `_config.yml`, installs the package from it and moves into the clone's `book/`
-folder, so that the chapter finds its neighbours as it does in the repository; where the package is installed it
-does nothing. On a CPU the chapters then run in the quick profile (`AT_PROFILE=auto`).
+Either way the notebook starts with one install cell (`INSTALL_CELL`). Outside the book's own `book/` folder
+(Colab, a notebook downloaded anywhere) it fetches the repository named in `_config.yml` at the commit the notebook
+was built from and moves into its `book/` folder, so that the chapter finds its neighbours (records, data) as it
+does in the repository, and runs against the code and records it was built with; it installs the package with the
+`notebook` extra (matplotlib) where either is missing, and puts the book's own package first on the path (and on
+PYTHONPATH, for the commands a chapter runs), so that another installed version never stands in for it. On a CPU
+the chapters then run in the quick profile (`AT_PROFILE=auto`).
 
 And the Markdown cells read well in Jupyter, which renders no MyST: glued numbers are the values of the executed
 chapter in the build's jupyter-cache (a pointer to the cell that prints them where the chapter has not been
@@ -30,6 +33,7 @@ import copy
 import functools
 import posixpath
 import re
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,15 +45,26 @@ ROOT = Path(__file__).resolve().parent.parent
 INSTALL_TAG = "install-package"
 
 INSTALL_CELL = '''\
-# Colab, or a Jupyter without the book's package: get the book and install its package. Does nothing otherwise.
+# Run this cell first. Outside the book's own book/ folder (Colab, a downloaded notebook) it fetches the book, at the
+# commit this notebook was built from, and moves into its book/ folder; the chapter's code and records then match.
+# It installs the package with what the chapters use (matplotlib) where either is missing, and puts the book's own
+# package first on the path. Run again, it does nothing new.
 import importlib, importlib.util, os, subprocess, sys
-if importlib.util.find_spec("annotated_transformer") is None:
-    if not os.path.isdir("{folder}"):
-        subprocess.run(["git", "clone", "--quiet", "--depth", "1", "{url}", "{folder}"], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "./{folder}"], check=True)
-    importlib.invalidate_caches()
-if os.path.isdir("{folder}/book"):
-    os.chdir("{folder}/book")  # the chapters read the files next to them'''
+if not (os.path.isfile("../_toc.yml") and os.path.isdir("../annotated_transformer")):
+    if not os.path.isdir("{folder}/book"):
+        git = ["git", "-C", "{folder}"]
+        subprocess.run(["git", "init", "--quiet", "{folder}"], check=True)
+        for ref in ("{commit}", "{branch}"):  # the commit; the launch branch if it is gone
+            if ref and subprocess.run(git + ["fetch", "--quiet", "--depth", "1", "{url}", ref]).returncode == 0:
+                break
+        subprocess.run(git + ["checkout", "--quiet", "FETCH_HEAD"], check=True)
+    os.chdir("{folder}/book")  # the chapters read the files next to them
+if any(importlib.util.find_spec(name) is None for name in ("annotated_transformer", "matplotlib")):
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", os.path.abspath("..") + "[notebook]"],
+                   check=True)
+sys.path.insert(0, os.path.abspath(".."))  # this book's package, whatever else is installed
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(".."), os.environ.get("PYTHONPATH")]))
+importlib.invalidate_caches()'''
 
 
 class RepositoryError(ValueError):
@@ -136,6 +151,12 @@ def set_repository(root: Path, url: str) -> bool:
     return True
 
 
+def built_commit(root: Path = ROOT) -> str:
+    """The commit the book is built from ("" outside a git checkout): the install cell fetches the book at it."""
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
 def install_cell(root: Path = ROOT):
     """The first cell of a notebook, which gets the package where it is missing; None without a repository."""
     import nbformat
@@ -143,7 +164,8 @@ def install_cell(root: Path = ROOT):
     repo = repository(root)
     if repo is None:
         return None
-    source = INSTALL_CELL.format(url=repo["url"] + ".git", folder=repo["name"])
+    source = INSTALL_CELL.format(url=repo["url"] + ".git", folder=repo["name"], commit=built_commit(root),
+                                 branch=repo["branch"])
     return nbformat.v4.new_code_cell(source, metadata={"tags": [INSTALL_TAG]})
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.notebooks import (INSTALL_CELL, REPOSITORY_SWITCHES, RepositoryError, build_config, repository,
-                               set_repository, with_install_cell, write_build_config)
+from scripts.notebooks import (INSTALL_CELL, REPOSITORY_SWITCHES, RepositoryError, build_config, built_commit,
+                               repository, set_repository, with_install_cell, write_build_config)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / ".github" / "workflows"
@@ -166,37 +166,57 @@ def test_the_lab_settings_open_markdown_as_notebooks():
 
 
 @pytest.mark.slow
-def test_the_install_cell_installs_the_package_where_it_is_missing(tmp_path):
-    """The first cell of a notebook opened in Colab: clone, install, move into book/; and nothing when installed.
+def test_the_install_cell_fetches_the_built_commit_and_installs_what_is_missing(tmp_path):
+    """The first cell of a notebook opened in Colab or downloaded anywhere: fetch the book at the commit it was built
+    from, install the package (and matplotlib) where missing, put the book's package first, move into book/; run
+    again, nothing new. And in the book's own book/ folder it fetches nothing.
 
     It runs in a fresh virtual environment without the package (pip is told not to fetch the dependencies: the
-    package itself imports no torch), against a clone of this repository instead of GitHub.
+    package itself imports no torch), against this repository instead of GitHub.
     """
-    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
+    commit = built_commit(ROOT)
+    if not commit:
         pytest.skip("not a git checkout")
     environment = tmp_path / "env"
     venv.EnvBuilder(with_pip=True).create(environment)
     python = environment / "bin" / "python"
     work = tmp_path / "work"
     work.mkdir()
-    cell = INSTALL_CELL.format(url=ROOT.as_uri(), folder="book-clone")
-    program = cell + "\nimport annotated_transformer\nprint(annotated_transformer.__file__)\nprint(os.getcwd())\n"
+    cell = INSTALL_CELL.format(url=ROOT.as_uri(), folder="book-clone", commit=commit, branch="no-such-branch")
+    program = cell + ("\nimport annotated_transformer, subprocess, sys\nprint(annotated_transformer.__file__)\n"
+                      "print(os.getcwd(), flush=True)\nsubprocess.run([sys.executable, '-c', "
+                      "'import annotated_transformer; print(annotated_transformer.__file__)'], check=True)\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(PIP_NO_DEPS="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
     first = subprocess.run([str(python), "-c", program], cwd=work, env=env, capture_output=True, text=True,
                            timeout=600)
     assert first.returncode == 0, first.stderr
-    module, cwd = first.stdout.split()[-2:]
-    assert Path(module).is_relative_to(environment), module           # installed into the fresh environment
-    assert Path(cwd) == work / "book-clone" / "book"
-    assert (Path(cwd) / "intro.md").is_file()
-    # Again, in a new kernel: the package is there, so nothing is installed (pip would need the network and an
-    # index; here it gets neither); the cell only moves into book/.
+    module, cwd, in_a_command = first.stdout.split()[-3:]
+    clone = work / "book-clone"
+    assert Path(cwd) == clone / "book" and (Path(cwd) / "intro.md").is_file()
+    assert Path(module) == Path(in_a_command) == clone / "annotated_transformer" / "__init__.py"  # the book's own
+    assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip() \
+        == commit                                                          # the commit the notebook was built from
+    installed = subprocess.run([str(python), "-m", "pip", "show", "annotated-transformer"], env=env,
+                               capture_output=True, text=True)
+    assert installed.returncode == 0, "the package was not installed into the fresh environment"
+    # Again, in a new kernel, with matplotlib there (a stand-in): nothing is missing, so nothing is installed (pip
+    # would need the network and an index; here it gets neither) and nothing fetched; the cell moves into book/.
+    site_packages = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                        capture_output=True, text=True, check=True).stdout.strip())
+    (site_packages / "matplotlib").mkdir()
+    (site_packages / "matplotlib" / "__init__.py").write_text("")
     env.update(PIP_INDEX_URL="http://127.0.0.1:9/", PIP_NO_INDEX="1")
     second = subprocess.run([str(python), "-c", program], cwd=work, env=env, capture_output=True, text=True,
                             timeout=120)
     assert second.returncode == 0, second.stderr
-    assert Path(second.stdout.split()[-1]) == work / "book-clone" / "book"
+    assert Path(second.stdout.split()[-2]) == clone / "book"
+    # In the book's own book/ folder: nothing fetched, its package first.
+    third = subprocess.run([str(python), "-c", program], cwd=clone / "book", env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert third.returncode == 0, third.stderr
+    assert not (clone / "book" / "book-clone").exists()
+    assert Path(third.stdout.split()[-3]) == clone / "annotated_transformer" / "__init__.py"
 
 
 def test_the_release_trains_in_fp32_with_the_settings_that_the_hint_names():
