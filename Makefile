@@ -57,7 +57,7 @@ html: $(STAMP)
 	$(PY) scripts/execute_chapters.py $(if $(EXECUTED),--executed $(EXECUTED))
 	$(PY) scripts/notebooks.py config
 	$(PY) scripts/notebooks.py write
-	$(VENV)/bin/jupyter-book build . --config _build/_config.yml --all -W -n --keep-going
+	AT_BOOK_BUILD=1 $(VENV)/bin/jupyter-book build . --config _build/_config.yml --all -W -n --keep-going
 	$(PY) scripts/notebooks.py downloads
 
 book: check html

@@ -82,6 +82,8 @@ def pytest_configure(config):
     # keep the order of pytest_collection_modifyitems below (pytest-xdist would sort the files by their size)
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if config.getoption("save_executed", None):  # the book shows these runs: glue into the page
+        os.environ["AT_BOOK_BUILD"] = "1"  # inherited by the chapters' kernels
 
 
 def pytest_collection_modifyitems(config, items):

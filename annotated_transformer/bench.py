@@ -13,11 +13,13 @@ from pathlib import Path
 
 import torch
 
+from annotated_transformer.decoding import compiler_works
 from annotated_transformer.layer_types import LAYER_COLUMNS, layer_sweep
 from annotated_transformer.measure import CLOCKS, format_table
 from annotated_transformer.performance import (
     ATTENTION_COLUMNS,
     DECODING_COLUMNS,
+    DECODING_METHODS,
     PROFILE_COLUMNS,
     SHAPE_COLUMNS,
     TRAINING_COLUMNS,
@@ -163,10 +165,12 @@ def run_benchmarks(
         results["attention"] = attention_sweep(
             **sizes["attention"], dtype=dtype, repeat=sizes["repeat"], **timing
         )
-    if "decoding" in sections:
+    if "decoding" in sections:  # the compiled methods where torch.compile builds code
+        methods = tuple(method for method in DECODING_METHODS if compiler_works(device)
+                        or not method.endswith("compiled"))
         results["decoding"] = decoding_throughput(
-            **sizes["decoding"], dtype=dtype, repeat=sizes["repeat"], **timing
-        )
+            **sizes["decoding"], dtype=dtype, repeat=sizes["repeat"], methods=methods,
+            **timing)
     if "layers" in sections:
         # cuDNN's recurrent kernels accept bfloat16 only in recent versions; float16
         # runs on the same tensor cores

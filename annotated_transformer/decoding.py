@@ -210,6 +210,27 @@ def compiled_decode_step(device):
     return COMPILED_STEPS[kind]
 
 
+COMPILER_WORKS: dict[str, bool] = {}  # device type -> whether torch.compile builds
+
+
+def compiler_works(device="cpu") -> bool:
+    """Whether ``torch.compile`` can build code for ``device`` here, tried once on a
+    function of no code of ours: on a CPU it needs a C++ compiler, which a Windows or
+    macOS machine may lack (a chapter then skips its compiled variants, saying so)."""
+    kind = torch.device(device).type
+    if kind not in COMPILER_WORKS:
+        try:
+            torch.compile(lambda x: x.sin() + 1)(torch.ones(3, device=device))
+            COMPILER_WORKS[kind] = True
+        except Exception as error:  # InductorError, a missing compiler's own, ...
+            print(f"torch.compile cannot build code for {kind} here ({error!r:.120}): "
+                  "compiled variants are left out")
+            COMPILER_WORKS[kind] = False
+        finally:
+            torch._dynamo.reset()
+    return COMPILER_WORKS[kind]
+
+
 def static_step(model, memory, src_mask, cache, compile=False):
     """``decode_step`` bound to a model, its memory and a StaticDecoderCache: a function
     from the new tokens to the log-probabilities.

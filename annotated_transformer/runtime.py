@@ -338,14 +338,15 @@ def warn_long_warmup(config):
 
 def glue(name: str, value, display: bool = False) -> None:
     """Put ``value`` into the chapter's text where it says {glue:text}`name`: myst-nb's
-    ``glue`` in a Jupyter kernel with myst-nb (the book build), else prints it."""
+    ``glue`` in the book build's kernels (AT_BOOK_BUILD=1), else prints it."""
     try:
         from IPython import get_ipython
         # myst-nb ships no type hints (no py.typed), which mypy reports at the import
         from myst_nb import glue as glue_in_page  # type: ignore[import-untyped]
     except ImportError:  # not a build: myst-nb (or IPython) is not installed
         glue_in_page = get_ipython = None
-    if glue_in_page is not None and hasattr(get_ipython(), "kernel"):
+    if (glue_in_page is not None and os.environ.get("AT_BOOK_BUILD") == "1"
+            and hasattr(get_ipython(), "kernel")):  # Jupyter would show nothing of it
         glue_in_page(name, value, display=display)
     else:
         print(f"{name} = {value}")

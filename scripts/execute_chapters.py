@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--executed", type=Path, default=None, metavar="DIR",
                         help="cache the chapters executed in DIR (pytest --save-executed) instead of running them")
     args = parser.parse_args(argv)
+    os.environ["AT_BOOK_BUILD"] = "1"  # the chapters glue their numbers into the page (the runtime's glue)
     root = args.root.resolve()
     cache_path = (root / args.cache).resolve()
     shutil.rmtree(cache_path, ignore_errors=True)

@@ -79,6 +79,10 @@ def test_glue_prints_outside_a_build_and_glues_inside_one(capsys, monkeypatch):
     glued = []
     monkeypatch.setattr(myst_nb, "glue", lambda *args, **kwargs: glued.append((args, kwargs)))
     monkeypatch.setattr(IPython, "get_ipython", lambda: type("Shell", (), {"kernel": object()})())
+    monkeypatch.delenv("AT_BOOK_BUILD", raising=False)
+    glue("speed_ratio", 1.25)  # a kernel with myst-nb, but no build (JupyterLab, Binder): Jupyter shows a print
+    assert glued == [] and capsys.readouterr().out == "speed_ratio = 1.25\n"
+    monkeypatch.setenv("AT_BOOK_BUILD", "1")
     glue("speed_ratio", 1.25)
     assert glued == [(("speed_ratio", 1.25), {"display": False})]
     assert capsys.readouterr().out == ""
