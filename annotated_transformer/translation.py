@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import sacrebleu
+import sentencepiece as spm
 import torch
 from sacrebleu.significance import PairedTest
 from torch import nn
@@ -289,11 +290,13 @@ def validation_loss(
     return total / count
 
 
-def save_translator(path, model: nn.Module, tokenizer: SentencePieces, *, step: int = 0,
-                    extra: dict | None = None) -> Path:
+def save_translator(path, model: nn.Module,
+                    tokenizer: SentencePieces | spm.SentencePieceProcessor, *,
+                    step: int = 0, extra: dict | None = None) -> Path:
     """Save a checkpoint that holds the model, its configuration and its tokenizer
     (readable with weights_only); ``tokenizer`` may be its SentencePiece processor."""
-    processor = getattr(tokenizer, "processor", tokenizer)
+    processor = (tokenizer.processor if isinstance(tokenizer, SentencePieces)
+                 else tokenizer)
     return save_checkpoint(path, model=model, step=step, extra={
         "task": TASK, "tokenizer": tokenizer_to_tensor(processor),
         "tokenizer_sha256": tokenizer_digest(processor), **(extra or {})})
@@ -400,8 +403,8 @@ def laptop_hint(config: TranslationConfig, precision: Precision,
             or precision.dtype != torch.float32):
         return None
     if amp is None and cpu_has_bf16_kernels() and cpu_has_bf16_instructions():
-        return ("hint: this CPU computes bfloat16 natively; --amp (bf16 autocast) "
-                "made the recorded laptop run's steps faster than fp32")
+        return ("hint: this CPU computes bfloat16 natively, as the recorded laptop "
+                "run's did; that run used --amp (bf16 autocast)")
     if set(FP32_RECIPE) & set(config.changed()):
         return None
     options = " ".join(f"--{name.replace('_', '-')} {value}"
@@ -470,8 +473,7 @@ def train_with_validation(model: nn.Module, batches, valid_examples,
     valid_file, points = folder / "valid.json", {}
     done = checkpoint["step"] if checkpoint else 0
     if done and valid_file.exists():
-        # bad JSON or UTF-8, or lists of different lengths: ValueError; another
-        # structure: KeyError, TypeError
+        # bad JSON, bad UTF-8, unequal lists: ValueError; else KeyError or TypeError
         try:
             history = json.loads(valid_file.read_text(encoding="utf-8"))
             pairs = zip(history["step"], history["loss"], strict=True)

@@ -87,8 +87,14 @@ def test_a_resume_with_other_settings_is_refused_naming_each_difference(finished
 
 def test_a_model_that_cannot_be_built_is_refused_before_its_folder_is_made(environment, tmp_path):
     """An odd d_model (sinusoidal positions come in pairs) is refused before the run folder and its tokenizer file
-    exist: the same command, corrected, then starts a new run instead of being told to resume one."""
-    config = translation_config("quick", **dict(TINY, d_model=33, h=3))
+    exist: the same command, corrected, then starts a new run instead of being told to resume one. The settings
+    refuse it first, when made; a model that make_model refuses (here the same one, let past the settings' check)
+    is refused before the folder too."""
+    with pytest.raises(ValueError, match="d_model must be even, got 33"):
+        translation_config("quick", **dict(TINY, d_model=33, h=3))
+    config = translation_config("quick", **dict(TINY, d_model=32, h=4))
+    object.__setattr__(config, "d_model", 33)  # past the settings' own check (a frozen dataclass)
+    object.__setattr__(config, "h", 3)
     with pytest.raises(ValueError, match="d_model must be even"):
         train_translator(config, tmp_path / "run", **QUIET)
     assert not (tmp_path / "run").exists()
