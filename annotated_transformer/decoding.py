@@ -224,11 +224,9 @@ def compiler_works(device="cpu") -> bool:
             COMPILER_WORKS[kind] = True
         except Exception as error:  # InductorError, a missing compiler's own, ...
             print(f"torch.compile cannot build code for {kind} here ({error!r:.120}): "
-                  "compiled variants are left out")
+                  "compiled variants are left out until the kernel restarts")
             COMPILER_WORKS[kind] = False
-        finally:
-            torch._dynamo.reset()
-    return COMPILER_WORKS[kind]
+    return COMPILER_WORKS[kind]  # no dynamo reset: a reader's compiled code stays
 
 
 def static_step(model, memory, src_mask, cache, compile=False):

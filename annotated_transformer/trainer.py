@@ -432,14 +432,16 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
 
 def check_checkpoint_dir(checkpoint_dir, resume, extra) -> None:
     """Refuse ``extra`` that a checkpoint cannot hold, a folder that is no folder, and a
-    new run in a folder of another run's checkpoints (the rotation would delete both
-    runs' files); make the folder."""
+    run other than that of the folder's checkpoints (new, or resumed from a file
+    elsewhere: the rotation would delete both runs' files); make the folder."""
     try:
         content_digest(extra or {})  # every type of value that a checkpoint holds
     except TypeError as error:
         raise TypeError(f"extra: {error}") from None
     folder = check_run_folder(checkpoint_dir, None, resume=resume)  # it, writable
-    if not resume and (found := list_checkpoints(folder)):
+    elsewhere = isinstance(resume, (str, os.PathLike)) and (  # else: that run's step
+        os.path.dirname(os.path.realpath(resume)) != os.path.realpath(folder))
+    if (not resume or elsewhere) and (found := list_checkpoints(folder)):
         raise ValueError(f"{folder} already holds checkpoints (the newest is "
                          f"{found[-1].name}): the files of a run; resume that run "
                          "(resume=True), or use another folder")

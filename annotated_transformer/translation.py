@@ -139,13 +139,11 @@ def check_settings(config: TranslationConfig) -> None:
             raise TypeError(
                 f"{name} must be True or False, got {getattr(config, name)!r}"
             )
-    if config.embedding_init not in EMBEDDING_INITS:
-        raise ValueError(
-            f"embedding_init must be one of {EMBEDDING_INITS}, got "
-            f"{config.embedding_init!r}"
-        )
-    if config.decay not in DECAYS:
-        raise ValueError(f"decay must be one of {DECAYS}, got {config.decay!r}")
+    choices = dict(embedding_init=EMBEDDING_INITS, decay=DECAYS,
+                   profile=("quick", "laptop", "full"))
+    for name, allowed in choices.items():
+        if (value := getattr(config, name)) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if config.decay == "linear" and config.steps <= config.warmup:
         raise ValueError(f"a linear decay needs steps ({config.steps}) above warmup "
                          f"({config.warmup})")
@@ -161,10 +159,6 @@ def check_settings(config: TranslationConfig) -> None:
             alpha, (int, float)) or not 0 <= alpha <= MAX_ALPHA:  # not nan, inf
         raise ValueError(
             f"length_penalty must lie in [0, {MAX_ALPHA:g}], got {alpha!r}")
-    if config.profile not in ("quick", "laptop", "full"):
-        raise ValueError(
-            f"profile must be 'quick', 'laptop' or 'full', got {config.profile!r}"
-        )
 
 
 LAPTOP = TranslationConfig(
@@ -336,6 +330,9 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
     if checkpoint_dir is None or str(checkpoint_dir) == "":
         raise ValueError("checkpoint_dir must name the run's folder, got "
                          f"{checkpoint_dir!r}")
+    if resume and not os.path.exists(checkpoint_dir):  # before the data's work
+        raise FileNotFoundError(
+            f"{checkpoint_dir} holds no checkpoint to resume: no such folder")
     device = get_device(device)
     precision = choose_precision(device, amp)  # a refusal comes before any work
     log(f"precision: {precision}")

@@ -12,9 +12,11 @@ writes, from each chapter of `_toc.yml`:
 Either way the notebook starts with one install cell (`INSTALL_CELL`). Outside the book's own `book/` folder
 (Colab, a notebook downloaded anywhere) it fetches the repository named in `_config.yml` at the commit the notebook
 was built from and moves into its `book/` folder, so that the chapter finds its neighbours (records, data) as it
-does in the repository, and runs against the code and records it was built with; it installs the package with the
-`notebook` extra (matplotlib) where either is missing, and puts the book's own package first on the path (and on
-PYTHONPATH, for the commands a chapter runs), so that another installed version never stands in for it. On a CPU
+does in the repository, and runs against the code and records it was built with (a folder of that name fetched
+for another notebook is moved to this one's commit); it installs the package with the `notebook` extra
+(matplotlib) where the package is missing, matplotlib alone where only that is (an editable install stays), and
+puts the book's own package first on the path (and on PYTHONPATH, for the commands a chapter runs), so that another
+installed version never stands in for it. On a CPU
 the chapters then run in the quick profile (`AT_PROFILE=auto`).
 
 And the Markdown cells read well in Jupyter, which renders no MyST: glued numbers are the values of the executed
@@ -49,19 +51,26 @@ INSTALL_CELL = '''\
 # commit this notebook was built from, and moves into its book/ folder; the chapter's code and records then match.
 # It installs the package with what the chapters use (matplotlib) where either is missing, and puts the book's own
 # package first on the path. Run again, it does nothing new.
-import importlib, importlib.util, os, subprocess, sys
+import importlib, importlib.util, os, shutil, subprocess, sys
 if not (os.path.isfile("../_toc.yml") and os.path.isdir("../annotated_transformer")):
-    if not os.path.isdir("{folder}/book"):
-        git = ["git", "-C", "{folder}"]
+    if shutil.which("git") is None:
+        raise RuntimeError("this cell fetches the book with git, which is not installed here: install git")
+    git = ["git", "-C", "{folder}"]
+    if not os.path.isdir("{folder}/.git"):
         subprocess.run(["git", "init", "--quiet", "{folder}"], check=True)
-        for ref in ("{commit}", "{branch}"):  # the commit; the launch branch if it is gone
-            if ref and subprocess.run(git + ["fetch", "--quiet", "--depth", "1", "{url}", ref]).returncode == 0:
+    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if not head or "{commit}" not in ("", head):  # new, or fetched for another notebook
+        for ref in filter(None, ("{commit}", "{branch}")):  # the commit; the launch branch if it is gone
+            if subprocess.run(git + ["fetch", "--quiet", "--depth", "1", "{url}", ref]).returncode == 0:
                 break
+            print(f"could not fetch {{ref}} of the book")
         subprocess.run(git + ["checkout", "--quiet", "FETCH_HEAD"], check=True)
     os.chdir("{folder}/book")  # the chapters read the files next to them
-if any(importlib.util.find_spec(name) is None for name in ("annotated_transformer", "matplotlib")):
+if importlib.util.find_spec("annotated_transformer") is None:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", os.path.abspath("..") + "[notebook]"],
                    check=True)
+elif importlib.util.find_spec("matplotlib") is None:  # the package stays as installed (editable, say)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "matplotlib>=3.8"], check=True)
 sys.path.insert(0, os.path.abspath(".."))  # this book's package, whatever else is installed
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(".."), os.environ.get("PYTHONPATH")]))
 importlib.invalidate_caches()'''

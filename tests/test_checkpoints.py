@@ -584,7 +584,13 @@ def test_train_refuses_a_new_run_among_another_runs_checkpoints_and_loses_none(t
                                          r"resume that run \(resume=True\)"):
         train_tiny(tmp_path, 2, every=1, keep_last=2, seed=1)  # its rotation would have deleted the first run's
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
-    train_tiny(tmp_path, 6, every=1, resume=True)  # resuming it is the way in
+    other = tmp_path.parent / f"{tmp_path.name}-other"
+    train_tiny(other, 1, every=1, seed=1)
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(the newest is step_00000005.pt\)"):
+        train_tiny(tmp_path, 3, every=1, keep_last=2, resume=str(other / "step_00000001.pt"))  # another run's file
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    train_tiny(tmp_path, 6, every=1, resume=str(tmp_path / "step_00000004.pt"))  # its own earlier step: the same run
+    train_tiny(tmp_path, 7, every=1, resume=True)  # resuming it is the way in
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

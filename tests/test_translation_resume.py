@@ -100,6 +100,21 @@ def test_a_model_that_cannot_be_built_is_refused_before_its_folder_is_made(envir
     assert not (tmp_path / "run").exists()
 
 
+def test_a_resume_in_a_folder_that_does_not_exist_is_refused_before_the_data_work(tmp_path, monkeypatch):
+    """A mistyped --resume folder is refused at once, not after the data is read, encoded and the model built."""
+    import annotated_transformer.translation as translation
+
+    def no_data(config):
+        raise AssertionError("the data was prepared although the resume should have been refused")
+
+    monkeypatch.setattr(translation, "prepare_data", no_data)
+    with pytest.raises(FileNotFoundError, match="/typo holds no checkpoint to resume: no such folder"):
+        train_translator(translation_config("quick", **TINY), tmp_path / "typo", resume=True, **QUIET)
+    assert main(["train", "--task", "multi30k", "--profile", "quick", "--device", "cpu", "--no-progress",
+                 "--resume", "--checkpoint-dir", str(tmp_path / "typo")]) == 2
+    assert not (tmp_path / "typo").exists()
+
+
 def test_a_linear_decay_resumes_only_to_the_steps_it_decays_over(environment, tmp_path):
     """A linear decay reaches zero at its ``steps``: a resume with more steps would restart the decay from near
     zero under a schedule that neither part followed, so it is refused, naming both; equation (3) has no end."""

@@ -217,6 +217,14 @@ def test_the_install_cell_fetches_the_built_commit_and_installs_what_is_missing(
     assert third.returncode == 0, third.stderr
     assert not (clone / "book" / "book-clone").exists()
     assert Path(third.stdout.split()[-3]) == clone / "annotated_transformer" / "__init__.py"
+    # A folder of that name left at another commit (an older notebook's fetch): moved to this notebook's commit.
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "--quiet", "--allow-empty", "-m",
+                    "elsewhere"], cwd=clone, check=True)
+    fourth = subprocess.run([str(python), "-c", program], cwd=work, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert fourth.returncode == 0, fourth.stderr
+    assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip() \
+        == commit
 
 
 def test_the_release_trains_in_fp32_with_the_settings_that_the_hint_names():
