@@ -91,6 +91,9 @@ def load_split(
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
+LEAST_VOCAB = 8  # the four special pieces and a few more: SentencePiece's smallest
+
+
 def train_tokenizer(
     pairs: Sequence[tuple[str, str]],
     vocab_size: int = 8000,
@@ -106,9 +109,10 @@ def train_tokenizer(
     if (
         isinstance(vocab_size, bool)
         or not isinstance(vocab_size, int)
-        or vocab_size < 8
+        or vocab_size < LEAST_VOCAB
     ):
-        raise ValueError(f"vocab_size must be an integer >= 8, got {vocab_size!r}")
+        raise ValueError(
+            f"vocab_size must be an integer >= {LEAST_VOCAB}, got {vocab_size!r}")
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
     pairs = list(pairs)  # a list of str would train on its characters: refused
@@ -205,6 +209,9 @@ def normalize(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).split())
 
 
+LEAST_MAX_LEN = 3  # <s>, one piece, </s>
+
+
 def encode_pairs(
     pairs, tokenizer, max_len: int | None = None
 ) -> list[tuple[list[int], list[int]]]:
@@ -215,9 +222,11 @@ def encode_pairs(
     are left out.
     """
     if max_len is not None and (
-        isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 3
+        isinstance(max_len, bool) or not isinstance(max_len, int)
+        or max_len < LEAST_MAX_LEN
     ):
-        raise ValueError(f"max_len must be None or an integer >= 3, got {max_len!r}")
+        raise ValueError(f"max_len must be None or an integer >= {LEAST_MAX_LEN}, got "
+                         f"{max_len!r}")
     tokenizer = getattr(tokenizer, "processor", tokenizer)  # a SentencePieces: its own
     sources = tokenizer.encode([source for source, _ in pairs])
     targets = tokenizer.encode([target for _, target in pairs])

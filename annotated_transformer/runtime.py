@@ -145,8 +145,7 @@ class Precision:
         return f"{what} on {self.device}" + (f" ({self.reason})" if self.reason else "")
 
 
-# what an ``amp`` argument may be: None (by the hardware), a bool, "bf16", "fp16" or
-# "fp32" (or their dtypes), or a Precision already chosen (see ``read_amp``)
+# an ``amp``: None (the hardware's), a bool, a name, a dtype or a Precision (read_amp)
 AmpSetting: TypeAlias = bool | str | torch.dtype | Precision | None
 
 
@@ -288,12 +287,18 @@ def as_int(value, name: str) -> int:
 
 
 def check_size(name: str, value) -> None:
-    """Raise a TypeError unless ``value`` is an int (not a bool), and a ValueError
-    unless it is positive."""
+    """A TypeError unless ``value`` is an int (not a bool); a ValueError unless >= 1."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+def check_positive(name: str, value) -> None:
+    """Raise a ValueError unless ``value`` is None or a positive finite number."""
+    if value is not None and (isinstance(value, bool) or not (isinstance(  # no str
+            value, (int, float)) and math.isfinite(value) and value > 0)):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
 def check_module(name: str, value) -> None:
@@ -315,11 +320,8 @@ def check_settings(config, *, positive, probabilities, numbers=()) -> None:
     if config.d_model % config.h:
         raise ValueError(f"d_model ({config.d_model}) must be divisible by h "
                          f"({config.h})")
-    for name in ("factor", "clip_norm", *numbers):  # a bool or a str is no number
-        value = getattr(config, name)
-        if value is not None and (isinstance(value, bool) or not (isinstance(
-                value, (int, float)) and math.isfinite(value) and value > 0)):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    for name in ("factor", "clip_norm", *numbers):
+        check_positive(name, getattr(config, name))
     seed = config.seed
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")

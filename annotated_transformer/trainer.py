@@ -29,8 +29,8 @@ from annotated_transformer.checkpoints import (
     rotate_checkpoints, set_rng_state, write_state,
 )
 from annotated_transformer.runtime import (
-    AmpSetting, Interrupted, Precision, Progress, choose_precision, compile_settings,
-    distributed_context, get_device, shard_rows, stop_requests,
+    AmpSetting, Interrupted, Precision, Progress, check_positive, choose_precision,
+    compile_settings, distributed_context, get_device, shard_rows, stop_requests,
 )
 from annotated_transformer.training import Batch
 
@@ -413,10 +413,7 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
     for name, every in counts.items():
         if not isinstance(every, int) or every < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {every!r}")
-    if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(
-            clip_norm, (int, float)) or not 0 < clip_norm < math.inf):
-        raise ValueError(
-            f"clip_norm must be a positive number or None, got {clip_norm!r}")
+    check_positive("clip_norm", clip_norm)  # a negative one would ascend the gradient
     if resume and checkpoint_dir is None and not isinstance(resume, (str, os.PathLike)):
         raise ValueError(
             "resume=True needs checkpoint_dir (or pass the checkpoint's path as resume)"

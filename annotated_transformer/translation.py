@@ -21,14 +21,15 @@ from tqdm import tqdm
 
 from annotated_transformer.beam_search import MAX_ALPHA, translate, translate_ids
 from annotated_transformer.checkpoints import (
-    average_checkpoints, checkpoint_problem, list_checkpoints, load_latest_checkpoint,
-    load_model_state, model_from_checkpoint, run_folder, save_checkpoint,
-    write_atomically,
+    average_checkpoints, check_run_folder, checkpoint_problem, list_checkpoints,
+    load_latest_checkpoint, load_model_state, model_from_checkpoint, run_folder,
+    save_checkpoint, write_atomically,
 )
 from annotated_transformer.data import (
-    BOS_ID, EOS_ID, PAD_ID, TASK, TOKENIZER_FILE, EpochBatches, SentencePieces,
-    checkpoint_tokenizer, collate, encode_pairs, keep_tokenizer, load_split,
-    load_tokenizer, tokenizer_digest, tokenizer_to_tensor, train_tokenizer,
+    BOS_ID, EOS_ID, LEAST_MAX_LEN, LEAST_VOCAB, PAD_ID, TASK, TOKENIZER_FILE,
+    EpochBatches, SentencePieces, checkpoint_tokenizer, collate, encode_pairs,
+    keep_tokenizer, load_split, load_tokenizer, tokenizer_digest, tokenizer_to_tensor,
+    train_tokenizer,
 )
 from annotated_transformer.masks import padding_mask, target_mask
 from annotated_transformer.model import EMBEDDING_INITS, make_model
@@ -150,7 +151,7 @@ def check_settings(config: TranslationConfig) -> None:
     if config.minutes is not None and config.minutes > MOST_MINUTES:
         raise ValueError(f"minutes must be at most {MOST_MINUTES:,}, got "
                          f"{config.minutes!r}")
-    for name, least in (("vocab_size", 8), ("max_len", 3)):  # tokenizer's, data's
+    for name, least in (("vocab_size", LEAST_VOCAB), ("max_len", LEAST_MAX_LEN)):
         if (value := getattr(config, name)) < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
     if config.d_model % 2:  # each position is pairs of sines and cosines
@@ -330,9 +331,8 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
     if checkpoint_dir is None or str(checkpoint_dir) == "":
         raise ValueError("checkpoint_dir must name the run's folder, got "
                          f"{checkpoint_dir!r}")
-    if resume and not os.path.exists(checkpoint_dir):  # before the data's work
-        raise FileNotFoundError(
-            f"{checkpoint_dir} holds no checkpoint to resume: no such folder")
+    if resume:  # a mistyped folder: refused before the data's work, and none is made
+        check_run_folder(checkpoint_dir, None, resume=True)
     device = get_device(device)
     precision = choose_precision(device, amp)  # a refusal comes before any work
     log(f"precision: {precision}")

@@ -71,8 +71,10 @@ if importlib.util.find_spec("annotated_transformer") is None:
                    check=True)
 elif importlib.util.find_spec("matplotlib") is None:  # the package stays as installed (editable, say)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "matplotlib>=3.8"], check=True)
-sys.path.insert(0, os.path.abspath(".."))  # this book's package, whatever else is installed
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(".."), os.environ.get("PYTHONPATH")]))
+book = os.path.abspath("..")  # this book's package first, whatever else is installed
+if sys.path[:1] != [book]:
+    sys.path.insert(0, book)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [book, os.environ.get("PYTHONPATH")]))
 importlib.invalidate_caches()'''
 
 
@@ -160,6 +162,7 @@ def set_repository(root: Path, url: str) -> bool:
     return True
 
 
+@functools.cache
 def built_commit(root: Path = ROOT) -> str:
     """The commit the book is built from ("" outside a git checkout): the install cell fetches the book at it."""
     done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)

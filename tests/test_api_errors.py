@@ -14,6 +14,7 @@ from annotated_transformer.translation import (
     TranslationConfig,
     bleu,
     bleu_bootstrap,
+    load_translator,
     save_translator,
     translation_config,
 )
@@ -41,8 +42,10 @@ def test_the_translators_tokenizer_works_where_its_processor_does(tmp_path):
     with pytest.raises(TypeError, match=r"encode takes one sentence \(a str\), got list"):
         tokenizer.encode(["Ein Hund.", "Eine Katze."])  # its ids came back with one </s> among the lists
     model = make_model(processor.get_piece_size(), processor.get_piece_size(), N=1, d_model=16, d_ff=32, h=2)
-    one, other = save_translator(tmp_path / "a.pt", model, tokenizer), save_translator(tmp_path / "b.pt", model, processor)
-    assert one.read_bytes() != b"" and other.exists()
+    saved = [save_translator(tmp_path / f"{name}.pt", model, given)
+             for name, given in (("wrapper", tokenizer), ("processor", processor))]
+    loaded = [load_translator(path)[1] for path in saved]  # the same tokenizer either way
+    assert [t.encode("Ein Hund läuft") for t in loaded] == [tokenizer.encode("Ein Hund läuft")] * 2
     examples = encode_pairs(pairs[:2], tokenizer)
     for multiple, error in [(0, ValueError), (-2, ValueError), (1.5, TypeError)]:
         with pytest.raises(error, match="multiple must be"):
