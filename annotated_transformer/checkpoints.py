@@ -12,6 +12,7 @@ import random
 import re
 import socket
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -24,8 +25,7 @@ from annotated_transformer.runtime import get_device
 
 
 def rng_state() -> dict:
-    """The states of Python's and PyTorch's random number generators (CPU, and CUDA if
-    in use)."""
+    """The states of Python's and PyTorch's generators (CPU, and CUDA if in use)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -157,8 +157,7 @@ def write_state(path: str | os.PathLike, state: dict) -> Path:
 
 
 def torch_reason(error: Exception) -> str:
-    """The line of a ``torch.load`` error that says what happened (its messages run to
-    many lines of advice)."""
+    """The line of a ``torch.load`` error that says what happened (they run long)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
     line = next((line for line in lines if "WeightsUnpickler error:" in line), lines[0])
     message = line.split("WeightsUnpickler error:")[-1].strip().split(". ")[0]
@@ -166,8 +165,7 @@ def torch_reason(error: Exception) -> str:
 
 
 def read_checkpoint_file(path: Path, map_location="cpu"):
-    """``torch.load(path, weights_only=True)``; every way the file can fail to load is
-    one CheckpointError."""
+    """``torch.load(path, weights_only=True)``; any failure: one CheckpointError."""
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path} is empty (0 bytes): it holds no checkpoint")
     try:
@@ -193,8 +191,7 @@ VERIFIED: dict[Path, tuple] = {}  # path -> its file_stamp when this process ver
 
 
 def file_stamp(path: Path) -> tuple:
-    """What changes when a file is rewritten or modified through the file system: its
-    inode, size and modification and change times."""
+    """Inode, size, modification and change times: what rewriting the file changes."""
     info = path.stat()
     return info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
@@ -493,9 +490,13 @@ def take_lock(path: Path) -> int:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(handle, 256).decode(errors="replace") or "a process"
+            for _ in range(200):  # its holder writes its name just after locking
+                if holder := os.pread(handle, 256, 0).decode(errors="replace"):
+                    break
+                time.sleep(0.01)
             os.close(handle)
-            raise ValueError(f"{path.parent} is in use by another run, {holder} (see "
+            raise ValueError(f"{path.parent} is in use by another run, "
+                             f"{holder or 'a process'} (see "
                              f"{path.name}): wait for it to end, or use another folder")
         if os.fstat(handle).st_nlink:  # else its holder removed it meanwhile: again
             break

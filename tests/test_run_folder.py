@@ -226,6 +226,31 @@ def test_two_command_line_runs_started_at_once_one_is_refused(tmp_path):
 
 
 @needs_flock
+@pytest.mark.parametrize("name_after", [0.3, None])
+def test_a_run_refused_before_the_holder_wrote_its_name_waits_for_the_name(tmp_path, name_after):
+    """The race that the test above met once: the holder has the lock but has not yet written its name. The refused
+    run waits for the name a moment (up to 2 s), and says "a process" only if none comes."""
+    import threading
+
+    lock = tmp_path / checkpoints.LOCK_FILE
+    held = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    checkpoints.fcntl.flock(held, checkpoints.fcntl.LOCK_EX | checkpoints.fcntl.LOCK_NB)
+    name = threading.Timer(name_after or 0, os.pwrite, (held, b"process 7 on elsewhere", 0))
+    try:
+        if name_after is not None:
+            name.start()
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="in use by another run, " +
+                           ("process 7 on elsewhere" if name_after else "a process") + r" \(see"):
+            with run_folder(tmp_path, tiny_model().config):
+                pass
+        assert (time.monotonic() - started > 1.5) == (name_after is None)
+    finally:
+        name.cancel()
+        os.close(held)
+
+
+@needs_flock
 def test_the_same_folder_is_refused_to_a_second_run_in_the_same_process(tmp_path):
     with run_folder(tmp_path, {}):
         with pytest.raises(ValueError, match=f"in use by another run, {ME}"):
