@@ -49,8 +49,7 @@ from annotated_transformer.training import (
 
 @dataclass(frozen=True)
 class TranslationConfig:
-    """The settings of a Multi30k run: data, model, training, evaluation. Checked when
-    made."""
+    """The settings of a Multi30k run (data, model, training, evaluation); checked."""
 
     vocab_size: int            # pieces in the joint SentencePiece vocabulary
     train_limit: int | None    # train on the first N training pairs only (None: all)
@@ -260,6 +259,8 @@ def validation_loss(
     """Mean cross-entropy (nats per target token, </s> included) of ``examples``,
     teacher-forced, in eval mode; with ``shuffle_sources=True``, each target gets the
     source of its neighbour in the batch."""
+    if not len(examples):
+        raise ValueError("examples is empty: there is no loss to measure")
     device = next(model.parameters()).device
     lengths = [(len(s), len(t)) for s, t in examples]
     total, count = 0.0, 0
@@ -300,8 +301,7 @@ def save_translator(path, model: nn.Module,
 def load_translator(
     path: str | os.PathLike, device: torch.device | str | None = None
 ) -> tuple[nn.Module, SentencePieces, dict]:
-    """(model in eval mode, tokenizer, checkpoint) from a translation checkpoint
-    (average.pt or step_*.pt)."""
+    """(model in eval mode, tokenizer, checkpoint) of average.pt or a step_*.pt."""
     model, checkpoint = model_from_checkpoint(path, device)
     tokenizer = checkpoint_tokenizer(checkpoint, path)
     if not isinstance(tokenizer, SentencePieces):

@@ -17,6 +17,7 @@ from annotated_transformer.translation import (
     load_translator,
     save_translator,
     translation_config,
+    validation_loss,
 )
 from annotated_transformer.model import make_model
 
@@ -52,6 +53,8 @@ def test_the_translators_tokenizer_works_where_its_processor_does(tmp_path):
             collate(examples, multiple=multiple)
     with pytest.raises(ValueError, match="a batch needs at least one example"):
         collate([])
+    with pytest.raises(ValueError, match="examples is empty: there is no loss to measure"):
+        validation_loss(model, [])  # max() of an empty sequence, or a division by zero
 
 
 def test_bleu_and_its_bootstrap_refuse_what_they_would_miscount():
