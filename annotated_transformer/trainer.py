@@ -247,8 +247,7 @@ def write_checkpoint(
 
 
 class NonFiniteLossError(ValueError, FloatingPointError):
-    """Training met a loss (or gradient norm) that is not finite; the message names the
-    step and the value."""
+    """A non-finite loss or gradient norm; the message names the step and the value."""
 
 
 def check_finite(step: int, loss: float, grad_norm: float | None, checkpoint_dir, *,
@@ -435,6 +434,8 @@ def check_checkpoint_dir(checkpoint_dir, resume, extra) -> None:
         content_digest(extra or {})  # every type of value that a checkpoint holds
     except TypeError as error:
         raise TypeError(f"extra: {error}") from None
+    if isinstance(resume, (str, os.PathLike)) and not os.path.isfile(resume):
+        load_checkpoint(resume)  # its FileNotFoundError, before the folder is made
     folder = check_run_folder(checkpoint_dir, None, resume=resume)  # it, writable
     elsewhere = isinstance(resume, (str, os.PathLike)) and (  # else: that run's step
         os.path.dirname(os.path.realpath(resume)) != os.path.realpath(folder))

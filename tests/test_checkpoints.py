@@ -438,6 +438,9 @@ def test_check_run_folder(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=missing):
         train_copy_task(steps=2, checkpoint_dir=new, resume=True, **COPY)
     assert not (tmp_path / "a").exists()
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*typo.pt$"):
+        train_tiny(new, 2, resume=tmp_path / "typo.pt")  # a mistyped checkpoint: no folder made either
+    assert not (tmp_path / "a").exists()
     assert check_run_folder(new, config, resume=False) == new and new.is_dir() and not list(new.iterdir())
     with pytest.raises(FileNotFoundError, match="holds no checkpoint to resume$"):
         check_run_folder(new, config, resume=True)
