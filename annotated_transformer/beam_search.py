@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
-from annotated_transformer.decoding import (check_cache_flags, check_symbols,
-                                            greedy_decode, static_step)
+from annotated_transformer.decoding import (check_cache_flags, check_source,
+                                            check_symbols, greedy_decode, static_step)
 from annotated_transformer.masks import padding_mask
 from annotated_transformer.runtime import as_int, evaluating
 
@@ -87,7 +87,8 @@ def beam_search(
     """
     # 2.5 is a TypeError
     beam_size, n_best = as_int(beam_size, "beam_size"), as_int(n_best, "n_best")
-    check_beam_arguments(src, max_len, beam_size, n_best, length_penalty, penalty)
+    check_beam_arguments(src, src_mask, max_len, beam_size, n_best, length_penalty,
+                         penalty)
     check_cache_flags(True, static, compile)
     check_symbols(model, max_len, start_symbol, end_symbol, src)
     if src.size(0) == 0:  # no sentences: no hypotheses
@@ -169,10 +170,10 @@ def beam_decoder(model, memory, src_mask, k, max_len, static=False, compile=Fals
         model.decode(memory, src_mask, last, None, cache=cache)[:, -1])
 
 
-def check_beam_arguments(
-    src, max_len, beam_size, n_best, length_penalty, penalty
-) -> None:
+def check_beam_arguments(src, src_mask, max_len, beam_size, n_best, length_penalty,
+                         penalty) -> None:
     """Refuse, with a ValueError naming the argument, what beam_search cannot do."""
+    check_source(src, src_mask)  # its shape, and no sentence of padding only
     if beam_size < 1 or n_best < 1 or n_best > beam_size:
         raise ValueError(
             f"need 1 <= n_best <= beam_size, got n_best={n_best}, beam_size={beam_size}"
@@ -181,10 +182,6 @@ def check_beam_arguments(
         raise ValueError(
             "max_len must be an int >= 2 (the start symbol and one token), got "
             f"{max_len!r}"
-        )
-    if src.dim() != 2 or src.size(1) == 0:
-        raise ValueError(
-            f"src must have shape (batch, length >= 1), got {tuple(src.shape)}"
         )
     length_penalty_factor(1, length_penalty, penalty)  # validates alpha and the kind
 

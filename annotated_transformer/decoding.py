@@ -45,10 +45,7 @@ def greedy_decode(
     """
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
-    if src.dim() != 2 or src.size(1) == 0:
-        raise ValueError(
-            f"src must have shape (batch, length >= 1), got {tuple(src.shape)}"
-        )
+    check_source(src, src_mask)
     check_cache_flags(use_cache, static, compile)
     check_symbols(model, max_len, start_symbol, end_symbol, src)
     batch = src.size(0)
@@ -126,6 +123,21 @@ def check_symbols(model, max_len, start_symbol, end_symbol=None, src=None) -> No
     if src is not None and weight is not None and src.device != weight.device:
         raise ValueError(f"src is on {src.device} but the model on {weight.device}: "
                          "move one to the other's device")
+
+
+def check_source(src: torch.Tensor, src_mask: torch.Tensor | None) -> None:
+    """Refuse a ``src`` not of shape (batch, length >= 1), and a sentence that
+    ``src_mask`` hides whole (padding only: there is nothing to attend to)."""
+    if src.dim() != 2 or src.size(1) == 0:
+        raise ValueError(
+            f"src must have shape (batch, length >= 1), got {tuple(src.shape)}"
+        )
+    if src_mask is not None and src.size(0) and src_mask.numel():
+        hidden = ~src_mask.flatten(1).bool().any(-1)  # one host sync per batch
+        if hidden.any():
+            rows = hidden.nonzero().flatten().tolist()
+            raise ValueError(f"src_mask hides every token of sentence(s) {rows[:5]} "
+                             "(padding only): give each at least one, such as </s>")
 
 
 def copy_accuracy(

@@ -303,6 +303,13 @@ def test_the_largest_length_penalty_stays_finite():
     assert len(hyps) == 1 and all(torch.isfinite(torch.tensor(h.penalised)) for h in hyps[0])
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_a_sentence_of_padding_only_is_refused(static):
+    src = torch.cat([SRC, torch.full_like(SRC, PAD)])
+    with pytest.raises(ValueError, match=r"src_mask hides every token of sentence\(s\) \[1\]"):
+        beam_search(tiny_model(0), src, padding_mask(src, PAD), 5, START, END, static=static)
+
+
 def test_empty_source_is_refused():
     model = tiny_model(0)
     src = torch.zeros((1, 0), dtype=torch.long)

@@ -168,6 +168,16 @@ def test_one_dimensional_or_empty_source_is_refused(src, small_model):
         greedy_decode(model, src, None, 5, START, END)
 
 
+@pytest.mark.parametrize("way", [dict(use_cache=False), dict(), dict(static=True)])
+def test_a_sentence_of_padding_only_is_refused(way, small_model):
+    """It decoded, silently, to the translation of no source (attention gives a fully masked row zeros)."""
+    src, _ = padded_batch()
+    src[1] = PAD
+    with pytest.raises(ValueError, match=r"src_mask hides every token of sentence\(s\) \[1\] \(padding only\)"):
+        greedy_decode(small_model(), src, padding_mask(src, PAD), 5, START, END, **way)
+    greedy_decode(small_model(), src, None, 5, START, END, **way)  # no mask: every position is seen
+
+
 def test_training_mode_dropout_makes_decoding_random_and_eval_fixes_it(small_model):
     model = small_model(dropout=0.3).train()
     src, mask = padded_batch()
