@@ -87,15 +87,19 @@ class DecoderLayer(nn.Module):
         cache: tuple[KVCache | StaticKVCache, KVCache] | None = None,
     ) -> torch.Tensor:
         """x: (B, T, d_model) target states; memory: (B, S, d_model); src_mask: (B, 1,
-        S); tgt_mask: (B, T, T) or, with a cache, (B, T, len(cache) + T). True = may
-        attend. ``cache`` is this layer's ``(self_cache, cross_cache)`` pair or None.
-        Returns (B, T, d_model). With a cache, ``tgt_mask`` may be None for one new
-        position (nothing lies in its future); several new positions without a mask
-        would see each other: refused."""
+        S); tgt_mask: (B, T, T); with a growing cache (B, T, len(cache) + T); with a
+        static one its ``mask(T)``. True = may attend. ``cache`` is this layer's
+        ``(self_cache, cross_cache)`` pair or None. Returns (B, T, d_model). With a
+        growing cache, ``tgt_mask`` may be None for one new position (nothing lies in
+        its future); more positions, or a static cache, without one: refused."""
         self_cache, cross_cache = cache if cache is not None else (None, None)
-        if self_cache is not None and tgt_mask is None and x.size(1) > 1:
-            raise ValueError(f"{x.size(1)} new positions with a cache need a tgt_mask "
-                             "(without one, each would attend to the ones after it)")
+        static = isinstance(self_cache, StaticKVCache)  # reads every slot it has
+        if self_cache is not None and tgt_mask is None and (x.size(1) > 1 or static):
+            raise ValueError(
+                "a static cache needs its mask(T) as tgt_mask (without it, the query "
+                "would attend to the slots not yet written)" if static else
+                f"{x.size(1)} new positions with a cache need a tgt_mask (without one, "
+                "each would attend to the ones after it)")
         x = self.sublayer[0](
             x, lambda x: self.self_attn(x, x, x, tgt_mask, cache=self_cache)
         )
@@ -190,7 +194,8 @@ class StaticDecoderCache:
         """Keep rows ``index`` of the self-attention buffers, in place. Each row must
         stay among its sentence's rows (as beams do): the cross-attention keys and
         values, the same for all of them, are not moved. Only the slots written so far
-        are copied (reading the position waits for a GPU, as beam search does)."""
+        are copied; ``int(self.position)`` makes the CPU wait for a GPU, a wait that
+        beam search makes at each step anyway."""
         written = int(self.position)
         for self_cache, _ in self.layers:
             self_cache.reorder(index, written)

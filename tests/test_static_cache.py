@@ -128,6 +128,19 @@ def test_decode_step_equals_the_growing_cache_and_keeps_shapes(norm_first, small
     assert [own.key.data_ptr() for own, _ in fixed.layers] == addresses
 
 
+def test_a_static_cache_without_its_mask_is_refused_even_for_one_position(small_model):
+    """Its unwritten slots (zeros) would be attended to: the outputs were silently wrong, not an error."""
+    model = small_model()
+    src, mask = padded_batch()
+    with torch.no_grad():
+        memory = model.encode(src, mask)
+        fixed = StaticDecoderCache(model.decoder, memory, 5)
+        step = model.tgt_embed(torch.full((src.size(0), 1), 1))
+        with pytest.raises(ValueError, match=r"a static cache needs its mask\(T\) as tgt_mask"):
+            model.decoder(step, memory, mask, None, cache=fixed)
+        model.decoder(step, memory, mask, fixed.mask(1), cache=fixed)  # with it: runs
+
+
 def test_bad_static_cache_arguments_are_refused(small_model):
     model = small_model()
     memory = torch.zeros(2, 3, 32, dtype=torch.float64)
