@@ -148,8 +148,9 @@ class LabelSmoothing(nn.Module):
     The target distribution puts ``1 - smoothing`` on the correct token and spreads
     ``smoothing`` evenly over the other ``size - 2`` tokens (all but the correct one and
     padding). Positions whose target is padding contribute nothing. Terms where the
-    target probability is zero are left out, so the loss is finite even where the model
-    gives a token probability zero.
+    target probability is zero are left out, so a zero probability on such a token
+    (padding) gives no ``nan``; a zero on a token the target wants gives ``inf``, as
+    the KL divergence does.
     """
 
     def __init__(self, size: int, padding_idx: int, smoothing: float = 0.0):
