@@ -167,11 +167,12 @@ def make_model(
     attention_dropout: float | None = None,
     activation_dropout: float | None = None,
 ) -> EncoderDecoder:
-    """Build a Transformer (defaults: the paper's base model).
+    """Build a Transformer (defaults: the sizes of the paper's base model).
 
     ``norm_first=False`` is the paper's post-norm, ``True`` pre-norm.
     ``share_embeddings=True`` ties the source embedding, the target embedding and the
-    generator's weight (section 3.4); it needs src_vocab == tgt_vocab. Weight matrices
+    generator's weight, as the paper does (section 3.4); it needs src_vocab ==
+    tgt_vocab, so it is off by default. Weight matrices
     are Xavier-initialised; the embedding tables are then redrawn from N(0, 1/d_model)
     (``embedding_init="normal"``, the default) or left Xavier like every other matrix
     (``"xavier"``). ``dropout`` is the paper's residual dropout; ``attention_dropout``
