@@ -92,6 +92,7 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
 LEAST_VOCAB = 8  # the four special pieces and a few more: SentencePiece's smallest
+TRAINER_THREADS = 1  # written into the model file: the same on every machine
 
 
 def train_tokenizer(
@@ -122,7 +123,8 @@ def train_tokenizer(
     lines = [side for pair in pairs for side in pair]
     if not lines:
         raise ValueError("train_tokenizer needs at least one sentence pair")
-    key = hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()[:16]
+    text = f"threads {TRAINER_THREADS}\n" + "\n".join(lines)  # files of other counts
+    key = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]  # are not reused
     folder = Path(directory) if directory is not None else cache_dir() / "tokenizers"
     path = folder / f"joint-{model_type}-{vocab_size}-{key}.model"
     if path.exists():
@@ -142,7 +144,7 @@ def train_tokenizer(
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
             model_type=model_type, character_coverage=1.0, pad_id=PAD_ID, unk_id=UNK_ID,
-            bos_id=BOS_ID, eos_id=EOS_ID, num_threads=os.cpu_count() or 1,
+            bos_id=BOS_ID, eos_id=EOS_ID, num_threads=TRAINER_THREADS,
             minloglevel=2,
         )
     except RuntimeError as error:

@@ -375,6 +375,17 @@ def test_tokenizer_is_cached_by_content_and_settings(tokenizer, train_pairs, cac
 
 
 @needs_data
+def test_the_same_text_makes_the_same_file_on_a_machine_with_other_cores(train_pairs, tmp_path, monkeypatch):
+    """SentencePiece writes its number of threads into the file: trained with the machine's count of cores, the
+    tokenizer of a run moved to a machine with more cores had another SHA-256, and its checkpoints refused to resume."""
+    made = []
+    for cores in (2, 16):
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        made.append(train_tokenizer(train_pairs[:500], vocab_size=300, directory=tmp_path / str(cores)).read_bytes())
+    assert made[0] == made[1]
+
+
+@needs_data
 @pytest.mark.parametrize("damage", ["cut off", "not a model", "empty", "another size"])
 def test_a_bad_cached_tokenizer_is_trained_again_with_a_warning(train_pairs, tmp_path, damage):
     pairs = train_pairs[:500]
