@@ -438,11 +438,22 @@ class SentencePieces:
         return int(MAX_LEN_A * source_length) + MAX_LEN_B
 
 
+def pieces(processor) -> list:
+    """A tokenizer's pieces and scores, in id order: what encoding depends on."""
+    return [(processor.id_to_piece(i), processor.get_score(i))
+            for i in range(processor.get_piece_size())]
+
+
 def keep_tokenizer(folder: Path, tokenizer: SentencePieces, checkpoint, *, log=print):
     """Write ``tokenizer.model`` beside the checkpoints (atomically); a resumed run must
     have the tokenizer its checkpoints name, and a damaged copy is written again."""
     path, digest = folder / TOKENIZER_FILE, tokenizer_digest(tokenizer.processor)
     recorded = checkpoint and checkpoint["extra"].get("tokenizer_sha256")
+    own = (load_tokenizer(path) if recorded and recorded != digest and path.is_file()
+           and tokenizer_digest(path) == recorded else None)
+    if own is not None and pieces(own) == pieces(tokenizer.processor):
+        log(f"{path}: the run's own tokenizer (other bytes, the same pieces) is kept")
+        tokenizer.processor, digest = own, recorded  # made with another thread count
     if recorded and recorded != digest:
         raise ValueError(f"the checkpoints in {folder} were trained with another "
                          "tokenizer than these settings make: resume with the same "

@@ -386,6 +386,28 @@ def test_the_same_text_makes_the_same_file_on_a_machine_with_other_cores(train_p
 
 
 @needs_data
+def test_a_run_begun_with_a_tokenizer_of_another_thread_count_resumes_with_its_own(train_pairs, tmp_path, monkeypatch):
+    """A run begun before the thread count was fixed named a file of other bytes but the same pieces: it goes on with
+    the file beside its checkpoints; a tokenizer of other pieces is still refused."""
+    pairs = train_pairs[:500]
+    monkeypatch.setattr(data, "TRAINER_THREADS", 2)
+    old = load_tokenizer(train_tokenizer(pairs, vocab_size=300, directory=tmp_path / "old"))
+    monkeypatch.undo()
+    run = tmp_path / "run"
+    run.mkdir()
+    data.write_tokenizer(run / "tokenizer.model", old)
+    checkpoint = {"extra": {"tokenizer_sha256": data.tokenizer_digest(old)}}
+    new = data.SentencePieces(load_tokenizer(train_tokenizer(pairs, vocab_size=300, directory=tmp_path / "new")))
+    assert data.tokenizer_digest(new.processor) != data.tokenizer_digest(old)  # other bytes
+    said = []
+    data.keep_tokenizer(run, new, checkpoint, log=said.append)
+    assert data.tokenizer_digest(new.processor) == data.tokenizer_digest(old) and "is kept" in said[0]
+    other = data.SentencePieces(load_tokenizer(train_tokenizer(pairs[:300], vocab_size=300, directory=tmp_path)))
+    with pytest.raises(ValueError, match="trained with another tokenizer than these settings make"):
+        data.keep_tokenizer(run, other, checkpoint)
+
+
+@needs_data
 @pytest.mark.parametrize("damage", ["cut off", "not a model", "empty", "another size"])
 def test_a_bad_cached_tokenizer_is_trained_again_with_a_warning(train_pairs, tmp_path, damage):
     pairs = train_pairs[:500]
