@@ -49,8 +49,7 @@ def write_atomically(path, write, *, mode: str = "wb") -> Path:
     handle, temporary = tempfile.mkstemp(
         dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
     )
-    umask = os.umask(0o022)
-    os.umask(umask)
+    os.umask(umask := os.umask(0o022))  # the only way to read it is to set it
     try:
         os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes 0600; open() would not
         encoding = None if "b" in mode else "utf-8"
@@ -201,9 +200,12 @@ def load_checkpoint(
 ) -> dict:
     """Read (``weights_only``) and verify a checkpoint; a fault: one CheckpointError."""
     path = Path(path)
-    if not path.is_file():  # a run's folder: name a file in it
-        hint = (f": it is a folder; name a checkpoint in it, such as "
-                f"{path / 'average.pt'}") if path.is_dir() else ""
+    if not path.is_file():  # a run's folder: name a file that it holds
+        inside = ([path / "average.pt"] if (path / "average.pt").is_file()
+                  else list_checkpoints(path)[-1:]) if path.is_dir() else []
+        hint = (f": it is a folder; name a checkpoint in it, such as {inside[0]}"
+                if inside else ": it is a folder, and holds no checkpoint"
+                if path.is_dir() else "")
         raise FileNotFoundError(f"no checkpoint at {path}{hint}")
     VERIFIED.pop(path.resolve(), None)
     stamp = file_stamp(path)
@@ -519,8 +521,8 @@ def run_folder(directory, config: dict, *, resume=False, hold: bool = True,
     handle = take_lock(folder / LOCK_FILE) if folder and hold and fcntl else None
     try:
         if folder and check_run_folder(folder, config, resume=resume,
-                                       older=older) and hold:
-            clean_leftovers(folder)  # only now: a refused run changes nothing
+                                       older=older) and handle is not None:
+            clean_leftovers(folder)  # only now, and held: else a live write's, perhaps
         yield folder
     finally:
         if folder is not None and handle is not None:  # a lock implies a folder

@@ -209,7 +209,8 @@ def add_train(subparsers) -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest checkpoint in --checkpoint-dir",
+        help="continue from the newest checkpoint in --checkpoint-dir; give the run's "
+        "options again, --steps included (a changed setting is refused)",
     )
     parser.add_argument(
         "--no-progress",
@@ -343,7 +344,7 @@ def run_copy_train(args) -> int:
                 f"{history['loss'][-1]:.4f}"
             )
         accuracy = copy_accuracy(model, vocab=config.vocab, seq_len=config.seq_len)
-        print(f"copy exact-match (greedy, 1000 held-out sequences): {accuracy:.1%}")
+        print(f"copy exact-match (greedy, 1000 random sequences): {accuracy:.1%}")
         if args.checkpoint_dir is not None:
             print(f"checkpoint: {latest_checkpoint(args.checkpoint_dir, intact=True)}")
     if dist.is_initialized():
@@ -503,7 +504,7 @@ def add_bench(subparsers) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also time both models compiled, in the training section "
                         "(and profile our step compiled, in the profile section)")
-    parser.add_argument("--batch-sizes", nargs="+", type=int, metavar="N",
+    parser.add_argument("--batch-sizes", nargs="+", type=positive_int, metavar="N",
                         help="the decoding section's batch sizes (default: 1 64)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"),
                         help="the arithmetic timed (default: training's on the device)")
@@ -816,8 +817,9 @@ def terminate(signum, frame) -> None:  # SIGTERM or SIGHUP: as Ctrl-C (`finally`
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command, args = next((arg for arg in argv if not arg.startswith("-")), ""), None
-    if sys.stdout is None or sys.stderr is None:  # closed (`>&-`): nowhere to report
-        print("error: standard output is closed", file=sys.stderr or sys.stdout)
+    if sys.stdout is None or sys.stderr is None:  # closed (`>&-`, `2>&-`)
+        which = "output" if sys.stdout is None else "error"
+        print(f"error: standard {which} is closed", file=sys.stderr or sys.stdout)
         return 2
     main_thread = threading.current_thread() is threading.main_thread()
     for name in ("SIGTERM", "SIGHUP"):  # `kill`, a closed terminal: as Ctrl-C

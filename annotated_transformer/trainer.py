@@ -100,14 +100,10 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
 def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
                     scheduler=None, scaler=None, precision: Precision | None = None,
                     steps: int | None = None):
-    """Restore a checkpoint into model, optimiser, schedule and random generators:
-    (start step, history, seconds).
-
-    ``resume`` is True (the newest intact checkpoint of ``checkpoint_dir``, skipping
-    damaged ones with a warning) or a checkpoint's path. The loss scale goes into
-    ``scaler``; a checkpoint of another ``precision`` gives a warning. A checkpoint
-    beyond ``steps`` is refused.
-    """
+    """Restore a checkpoint (``resume``: True, the newest intact one of
+    ``checkpoint_dir``; or a path) into model, optimiser, schedule, generators and
+    ``scaler``: (start step, history, seconds). Refused: a checkpoint beyond ``steps``;
+    said: another ``precision``, or another goal of ``steps`` than the run's."""
     if isinstance(resume, (str, os.PathLike)):
         checkpoint = load_checkpoint(resume)
     else:
@@ -134,6 +130,9 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
         )
     set_rng_state(states[rank % len(states)])
     extra = checkpoint["extra"]
+    if steps is not None and extra.get("steps", steps) != steps:  # the run's own goal
+        warnings.warn(f"the run was started for {extra['steps']:,} steps; this one "
+                      f"trains to {steps:,} (give its steps to finish it as started)")
     if precision and extra.get("precision", precision.name) != precision.name:
         warnings.warn(f"the checkpoint was trained in {extra['precision']}, this run "
                       f"goes on in {precision.name}: it will not continue exactly")
@@ -376,8 +375,9 @@ def train(
                 write_checkpoint(checkpoint_dir, step + 1, model=model,
                                  optimizer=optimizer, scheduler=scheduler,
                                  history=history, keep_last=keep_last,
-                                 train_seconds=seconds, extra=extra,
-                                 precision=precision, scaler=scaler, writer=writer)
+                                 train_seconds=seconds, precision=precision,
+                                 extra={**(extra or {}), "steps": steps},  # the goal
+                                 scaler=scaler, writer=writer)
             if stop:
                 writer.wait()  # the checkpoint that the message names is written
                 stopped(stop[0], step + 1, checkpoint_dir)

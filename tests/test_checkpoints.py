@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -423,6 +424,33 @@ def test_leftovers_of_killed_saves_are_removed_and_reported(tmp_path):
         train_copy_task(steps=2, checkpoint_dir=tmp_path, **COPY)  # the run removes them
     assert not Path(leftover).exists() and all(path.exists() for path in others)
     assert clean_leftovers(tmp_path) == [] and clean_leftovers(tmp_path / "missing") == []
+
+
+def test_a_resume_to_another_goal_than_the_runs_says_so(tmp_path):
+    """A checkpoint did not keep its run's goal, so a resume that left out --steps trained to the profile's count and
+    ended early, or late, with exit status 0 and no word."""
+    train_tiny(tmp_path, 4)
+    assert load_checkpoint(checkpoint_path(tmp_path, 4))["extra"]["steps"] == 4
+    with pytest.warns(UserWarning, match=r"the run was started for 4 steps; this one trains to 6 \(give its steps"):
+        train_tiny(tmp_path, 6, resume=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_tiny(tmp_path, 6, resume=True)  # its own goal now: nothing to say
+
+
+def test_a_folder_named_as_a_checkpoint_is_told_which_file_it_holds(tmp_path):
+    """The hint named average.pt for every folder, which only a finished translation run holds."""
+    with pytest.raises(FileNotFoundError, match="it is a folder, and holds no checkpoint$"):
+        load_checkpoint(tmp_path)
+    for step in (2, 4):
+        save_checkpoint(checkpoint_path(tmp_path, step), model=tiny_model(), step=step)
+    with pytest.raises(FileNotFoundError, match="such as .*step_00000004.pt$"):
+        load_checkpoint(tmp_path)  # its newest step
+    save_checkpoint(tmp_path / "average.pt", model=tiny_model())
+    with pytest.raises(FileNotFoundError, match="such as .*average.pt$"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="^no checkpoint at .*missing.pt$"):
+        load_checkpoint(tmp_path / "missing.pt")
 
 
 # One run per folder -----------------------------------------------------------------------------------------

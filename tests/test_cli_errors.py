@@ -246,7 +246,7 @@ IN_PROCESS = [
     ("translate-penalty-unknown", translate("--penalty", "cubic"), "argument --penalty: invalid choice: 'cubic'",
      None),
     ("translate-checkpoint-a-folder", ["translate", "--checkpoint", "a_folder"],
-     "no checkpoint at a_folder: it is a folder; name a checkpoint in it, such as a_folder/average.pt", b""),
+     "no checkpoint at a_folder: it is a folder, and holds no checkpoint", b""),
     ("translate-checkpoint-not-a-checkpoint", ["translate", "--checkpoint", "a_file.txt"], "a_file.txt", b""),
     ("translate-input-missing", translate("--input", "missing.txt"), "no file at missing.txt", None),
     ("translate-input-empty", translate("--input", "empty.txt"), "empty.txt is empty", None),
@@ -433,6 +433,12 @@ def test_a_closed_standard_output_is_one_line(place) -> None:
     result = shell(place, translate("--input", "a_file.txt"), redirect=">&-")
     assert result.returncode == 2 and result.stdout == b""
     assert result.stderr.decode().strip() == "error: standard output is closed"
+
+
+def test_a_closed_standard_error_is_named_on_standard_output(place) -> None:
+    """It was reported as "standard output is closed", on the standard output that was open."""
+    result = shell(place, translate("--input", "a_file.txt"), redirect="2>&-")
+    assert result.returncode == 2 and result.stdout.decode().strip() == "error: standard error is closed"
 
 
 def test_a_closed_pipe_is_one_line(place) -> None:

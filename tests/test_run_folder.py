@@ -316,6 +316,18 @@ def test_the_next_run_removes_every_leftover_of_its_writes_and_nothing_else(tmp_
     assert not any(path.exists() for path in killed) and all((tmp_path / name).exists() for name in USERS)
 
 
+def test_without_flock_a_run_leaves_the_temporary_files_it_cannot_know_are_dead(tmp_path, monkeypatch):
+    """Where a run cannot hold its folder (Windows), a temporary file may be another run's live write: removing it
+    would make that run fail to save what it made. It stays, and the run goes on."""
+    monkeypatch.setattr(checkpoints, "fcntl", None)
+    train_copy_task(steps=2, checkpoint_dir=tmp_path, checkpoint_every=1, **COPY)
+    writing = leftover(tmp_path, "step_00000003.pt")  # perhaps a live run's
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="removed")  # no "removed ... temporary file(s)"
+        train_copy_task(steps=4, checkpoint_dir=tmp_path, resume=True, **COPY)
+    assert writing.exists() and not (tmp_path / ".run.lock").exists()
+
+
 def test_leftover_names_are_exactly_those_of_write_atomically(tmp_path):
     names = []
 

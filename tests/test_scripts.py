@@ -84,7 +84,7 @@ args = sys.argv[1:]
 if args[:2] == ["-m", "pytest"]:
     print("52 passed")
 elif args[:3] == ["-m", "annotated_transformer", "train"]:
-    print("copy exact-match (greedy, 1000 held-out sequences): 99.8%")
+    print("copy exact-match (greedy, 1000 random sequences): 99.8%")
 elif args[:3] == ["-m", "annotated_transformer", "bench"]:
     after = args[args.index("--only") + 1:]
     sections = after[:next(i for i, arg in enumerate(after) if arg.startswith("--"))]
@@ -162,7 +162,7 @@ if args[:2] == ["-m", "pytest"]:
 elif args[:3] == ["-m", "annotated_transformer", "bench"]:
     time.sleep(600)
 elif args[:3] == ["-m", "annotated_transformer", "train"]:
-    print("copy exact-match (greedy, 1000 held-out sequences): 99.8%")
+    print("copy exact-match (greedy, 1000 random sequences): 99.8%")
 else:
     os.execv({python!r}, [{python!r}, *args])
 """
