@@ -241,6 +241,9 @@ def format_tables(results: dict) -> str:
     ]
     for section, (title, columns) in TABLES.items():
         if results.get(section):
+            dtypes = {row.get("dtype") for row in results[section]} - {None}
+            if dtypes and dtypes != {meta["dtype"]}:  # the layers' float16 on a GPU
+                title += f" [{', '.join(sorted(dtypes))}]"
             lines += ["", title, format_table(results[section], columns)]
     return "\n".join(lines)
 

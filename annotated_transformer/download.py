@@ -168,10 +168,12 @@ def fetch(
     if local:
         path = Path(local) / name
         if not path.exists():
-            source = "the directory argument" if directory is not None else DATA_ENV
+            source, instead = (("the directory argument", "pass no directory")
+                               if directory is not None
+                               else (DATA_ENV, f"unset {DATA_ENV}"))
             raise FileNotFoundError(
                 f"{name} is not in {local} (set by {source}); put the Multi30k file "
-                f"there (from {url}{name}) or unset {DATA_ENV} to download it"
+                f"there (from {url}{name}) or {instead} to download it"
             )
         return verify(path, name)
     path = cache_dir() / "multi30k" / name
@@ -181,6 +183,11 @@ def fetch(
     try:
         return download(url + name, path, name)
     except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
+        disk = (isinstance(error, OSError)
+                and not isinstance(error, urllib.error.URLError))
+        if disk and (error.filename or error.errno in WRITE_ERRORS):  # not the network
+            raise OSError(error.errno, error.strerror,
+                          error.filename or str(path)) from error
         raise FileNotFoundError(  # HTTPException: a response cut off in the middle
             f"could not download {name} from {url}{name} ({error}); without a network, "
             f"download it elsewhere and put it in a folder named by {DATA_ENV}, or in "

@@ -261,6 +261,18 @@ def check_results_path(path, checkpoint_dir=None) -> Path:
     return path
 
 
+def unclaimed(results_path, checkpoint_dir, log=print) -> Path:
+    """``results_path`` if it may still take this run's record, else a new name beside
+    it: another run may have written it since the check before training."""
+    path = Path(results_path)
+    try:
+        return check_results_path(path, checkpoint_dir)
+    except ValueError as error:  # keep both records
+        beside = path.with_name(f"{path.stem}-{os.getpid()}{path.suffix}")
+        log(f"warning: {error}; this run's record goes to {beside}")
+        return beside
+
+
 def record_experiment(
     config,
     checkpoint_dir,
@@ -303,5 +315,6 @@ def record_experiment(
         log(f"  {name}: BLEU {row['bleu']:.2f} +- {row['ci95']:.2f} (95% interval)")
     record["total_seconds"] = round(time.perf_counter() - started, 1)
     if results_path is not None:
-        log(f"results: {write_results(results_path, record)}")
+        path = unclaimed(results_path, checkpoint_dir, log)  # checked again
+        log(f"results: {write_results(path, record)}")
     return record, trained

@@ -454,3 +454,7 @@ if __name__ == "__main__":  # in a Jupyter kernel too
                   "tangling without it", file=sys.stderr)
             raise SystemExit(run_without_command_line(sys.argv[1:]))
         raise SystemExit(main(["tangle", *sys.argv[1:]]))
+    elif os.path.basename(sys.argv[0]) == "tangle.py":  # python .../tangle.py
+        print("run `python -m annotated_transformer.tangle [--check]`: run as a "
+              "file, this module would tangle and check nothing", file=sys.stderr)
+        raise SystemExit(2)

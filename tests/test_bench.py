@@ -91,6 +91,18 @@ def test_smoke_command_prints_every_table_and_saves_json(tmp_path) -> None:
     assert row["tokens"] == row["batch"] * row["tgt_len"]
 
 
+def test_a_table_timed_in_another_dtype_than_the_runs_says_so_in_its_title() -> None:
+    """The GPU record's layers ran in float16 under a header that said bfloat16 for every table."""
+    root = Path(__file__).resolve().parents[1] / "book" / "results"
+    gpu = format_tables(json.loads((root / "bench_gpu.json").read_text()))
+    assert "dtype: bfloat16" in gpu.splitlines()[0]
+    titles = [line for line in gpu.splitlines() if line in {title for title, _ in TABLES.values()}
+              or line.startswith(TABLES["layers"][0])]
+    assert f"{TABLES['layers'][0]} [float16]" in titles and TABLES["training"][0] in titles
+    cpu = format_tables(json.loads((root / "bench_cpu.json").read_text()))
+    assert "[float" not in cpu  # one dtype throughout: no mark
+
+
 def test_the_command_runs_every_section_but_shapes_and_profile_unless_told(monkeypatch) -> None:
     import annotated_transformer.bench as bench
     from annotated_transformer.cli import main

@@ -153,6 +153,28 @@ def test_offline_message_says_what_to_do(offline, monkeypatch):
     assert files_in(offline) == []
 
 
+@pytest.mark.parametrize("failure", [PermissionError(13, "Permission denied", "/cache/multi30k/x"),
+                                     OSError(28, "No space left on device")])
+def test_a_disk_that_takes_no_file_is_no_network_failure(offline, monkeypatch, failure):
+    """A read-only cache or a full disk was reported as a network failure, with the advice to put the file into the
+    very folder that could not be written."""
+    def refuse(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(download, "download", refuse)
+    with pytest.raises(OSError) as error:
+        fetch("train.en.gz")
+    assert not isinstance(error.value, FileNotFoundError) and "without a network" not in str(error.value)
+    assert error.value.filename  # the file it concerns
+
+
+def test_a_file_missing_from_the_directory_argument_says_what_to_change(tmp_path, monkeypatch):
+    """The advice was to unset the environment variable, which changes nothing for a directory argument."""
+    monkeypatch.delenv(DATA_ENV, raising=False)
+    with pytest.raises(FileNotFoundError, match="set by the directory argument.*or pass no directory to download"):
+        fetch("train.en.gz", directory=tmp_path)
+
+
 @pytest.mark.parametrize("failure", [
     ConnectionResetError("connection reset by peer"),
     http.client.IncompleteRead(b""),  # a chunked response cut off: not an OSError

@@ -429,3 +429,11 @@ def test_the_version_is_pyprojects() -> None:
     version = subprocess.run([sys.executable, "-m", "annotated_transformer", "--version"],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert version.returncode == 0 and version.stdout.split() == ["python", "-m", PACKAGE, project["version"]]
+
+
+def test_the_tangler_run_as_a_file_refuses_instead_of_passing_silently() -> None:
+    """`python annotated_transformer/tangle.py --check` did nothing and exited 0, which a CI job takes for a pass."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "annotated_transformer" / "tangle.py"), "--check"],
+                            cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "python -m annotated_transformer.tangle" in result.stderr, result

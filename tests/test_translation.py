@@ -8,6 +8,7 @@ finds; tokenizers go to a temporary cache.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -520,6 +521,29 @@ def test_a_results_file_of_another_run_is_never_replaced(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="exists and is a file that is not a record of this run"):
         check_results_path(tmp_path / "notes.txt", "runs/my run")
     assert (tmp_path / "notes.txt").read_text() == "my notes"
+
+
+def test_a_record_written_meanwhile_by_another_run_is_kept_and_ours_goes_beside_it(environment, tmp_path,
+                                                                                  monkeypatch):
+    """Two runs started side by side with one --results both passed the check before training, and the later one
+    replaced the earlier one's record when it finished."""
+    from annotated_transformer import records
+
+    target, real = tmp_path / "results.json", records.run_experiment
+    other = {"command": "python -m annotated_transformer train --checkpoint-dir other --results results.json"}
+
+    def meanwhile(*args, **kwargs):  # the other run finishes while this one trains
+        target.write_text(json.dumps(other))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(records, "run_experiment", meanwhile)
+    said = []
+    config = translation_config("quick", **{**TINY, "steps": 10, "eval_every": 5})
+    record_experiment(config, tmp_path / "run", results_path=target, device="cpu", log=said.append)
+    assert json.loads(target.read_text()) == other  # the other run's record: kept
+    ours = tmp_path / f"results-{os.getpid()}.json"
+    assert json.loads(ours.read_text())["config"]["steps"] == 10
+    assert any(f"this run's record goes to {ours}" in line for line in said)
 
 
 def test_a_records_run_folder_is_read_from_either_form_of_the_option_and_never_from_stdin(tmp_path, monkeypatch):
