@@ -183,9 +183,8 @@ def fetch(
     try:
         return download(url + name, path, name)
     except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
-        disk = (isinstance(error, OSError)
-                and not isinstance(error, urllib.error.URLError))
-        if disk and (error.filename or error.errno in WRITE_ERRORS):  # not the network
+        if (isinstance(error, OSError) and not isinstance(error, urllib.error.URLError)
+                and (error.filename or error.errno in WRITE_ERRORS)):  # not the network
             raise OSError(error.errno, error.strerror,
                           error.filename or str(path)) from error
         raise FileNotFoundError(  # HTTPException: a response cut off in the middle
