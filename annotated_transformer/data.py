@@ -449,11 +449,15 @@ def keep_tokenizer(folder: Path, tokenizer: SentencePieces, checkpoint, *, log=p
     have the tokenizer its checkpoints name, and a damaged copy is written again."""
     path, digest = folder / TOKENIZER_FILE, tokenizer_digest(tokenizer.processor)
     recorded = checkpoint and checkpoint["extra"].get("tokenizer_sha256")
-    own = (load_tokenizer(path) if recorded and recorded != digest and path.is_file()
-           and tokenizer_digest(path) == recorded else None)
-    if own is not None and pieces(own) == pieces(tokenizer.processor):
-        log(f"{path}: the run's own tokenizer (other bytes, the same pieces) is kept")
-        tokenizer.processor, digest = own, recorded  # made with another thread count
+    beside = tokenizer_digest(path) if checkpoint and path.is_file() else None
+    if beside not in (None, digest) and beside == (recorded or beside):
+        try:  # made with another thread count? the same pieces: keep it
+            own = load_tokenizer(path)
+        except ValueError:  # damaged: judged below
+            own = None
+        if own is not None and pieces(own) == pieces(tokenizer.processor):
+            log(f"{path}: the run's own tokenizer (other bytes, same pieces) is kept")
+            tokenizer.processor, digest = own, beside
     if recorded and recorded != digest:
         raise ValueError(f"the checkpoints in {folder} were trained with another "
                          "tokenizer than these settings make: resume with the same "

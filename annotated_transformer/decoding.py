@@ -132,7 +132,8 @@ def check_source(src: torch.Tensor, src_mask: torch.Tensor | None) -> None:
         raise ValueError(
             f"src must have shape (batch, length >= 1), got {tuple(src.shape)}"
         )
-    if src_mask is not None and src.size(0) and src_mask.numel():
+    if (isinstance(src_mask, torch.Tensor) and src_mask.dim() == 3  # else: check_mask
+            and src.size(0) and src_mask.numel()):  # names what is wrong
         hidden = ~src_mask.flatten(1).bool().any(-1)  # one host sync per batch
         if hidden.any():
             rows = hidden.nonzero().flatten().tolist()

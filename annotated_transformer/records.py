@@ -268,7 +268,9 @@ def unclaimed(results_path, checkpoint_dir, log=print) -> Path:
     try:
         return check_results_path(path, checkpoint_dir)
     except ValueError as error:  # keep both records
-        beside = path.with_name(f"{path.stem}-{os.getpid()}{path.suffix}")
+        number = os.getpid()
+        while (beside := path.with_name(f"{path.stem}-{number}{path.suffix}")).exists():
+            number += 1  # a file of that name is no place for it either
         log(f"warning: {error}; this run's record goes to {beside}")
         return beside
 

@@ -103,7 +103,7 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
     """Restore a checkpoint (``resume``: True, the newest intact one of
     ``checkpoint_dir``; or a path) into model, optimiser, schedule, generators and
     ``scaler``: (start step, history, seconds). Refused: a checkpoint beyond ``steps``;
-    said: another ``precision``, or another goal of ``steps`` than the run's."""
+    said: another ``precision``, or ``steps`` short of the run's own goal."""
     if isinstance(resume, (str, os.PathLike)):
         checkpoint = load_checkpoint(resume)
     else:
@@ -130,9 +130,9 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
         )
     set_rng_state(states[rank % len(states)])
     extra = checkpoint["extra"]
-    if steps is not None and extra.get("steps", steps) != steps:  # the run's own goal
+    if steps is not None and extra.get("steps", steps) > steps:  # short of its goal
         warnings.warn(f"the run was started for {extra['steps']:,} steps; this one "
-                      f"trains to {steps:,} (give its steps to finish it as started)")
+                      f"stops at {steps:,} (give its steps to finish it as started)")
     if precision and extra.get("precision", precision.name) != precision.name:
         warnings.warn(f"the checkpoint was trained in {extra['precision']}, this run "
                       f"goes on in {precision.name}: it will not continue exactly")

@@ -426,16 +426,17 @@ def test_leftovers_of_killed_saves_are_removed_and_reported(tmp_path):
     assert clean_leftovers(tmp_path) == [] and clean_leftovers(tmp_path / "missing") == []
 
 
-def test_a_resume_to_another_goal_than_the_runs_says_so(tmp_path):
+def test_a_resume_short_of_the_runs_goal_says_so(tmp_path):
     """A checkpoint did not keep its run's goal, so a resume that left out --steps trained to the profile's count and
-    ended early, or late, with exit status 0 and no word."""
-    train_tiny(tmp_path, 4)
-    assert load_checkpoint(checkpoint_path(tmp_path, 4))["extra"]["steps"] == 4
-    with pytest.warns(UserWarning, match=r"the run was started for 4 steps; this one trains to 6 \(give its steps"):
-        train_tiny(tmp_path, 6, resume=True)
+    could end short of the run's goal, with exit status 0 and no word. Extending a run on purpose says nothing."""
+    with pytest.raises(NonFiniteLossError):  # a run of 6 steps that stops after its checkpoint of step 4
+        train_tiny(tmp_path, 6, loss_fn=bad_at_call(5, float("nan")))
+    assert load_checkpoint(checkpoint_path(tmp_path, 4))["extra"]["steps"] == 6
+    with pytest.warns(UserWarning, match=r"the run was started for 6 steps; this one stops at 4 \(give its steps"):
+        train_tiny(tmp_path, 4, resume=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        train_tiny(tmp_path, 6, resume=True)  # its own goal now: nothing to say
+        train_tiny(tmp_path, 8, resume=True)  # beyond its goal: an extension, asked for
 
 
 def test_a_folder_named_as_a_checkpoint_is_told_which_file_it_holds(tmp_path):

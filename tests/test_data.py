@@ -427,6 +427,9 @@ def test_a_run_begun_with_a_tokenizer_of_another_thread_count_resumes_with_its_o
     other = data.SentencePieces(load_tokenizer(train_tokenizer(pairs[:300], vocab_size=300, directory=tmp_path)))
     with pytest.raises(ValueError, match="trained with another tokenizer than these settings make"):
         data.keep_tokenizer(run, other, checkpoint)
+    newer = data.SentencePieces(load_tokenizer(train_tokenizer(pairs, vocab_size=300, directory=tmp_path / "new")))
+    data.keep_tokenizer(run, newer, {"extra": {}})  # checkpoints that name no digest: the same
+    assert data.tokenizer_digest(newer.processor) == data.tokenizer_digest(old)
 
 
 @needs_data

@@ -178,6 +178,14 @@ def test_a_sentence_of_padding_only_is_refused(way, small_model):
     greedy_decode(small_model(), src, None, 5, START, END, **way)  # no mask: every position is seen
 
 
+@pytest.mark.parametrize("mask", [torch.ones(9, dtype=torch.bool), torch.ones((), dtype=torch.bool)])
+def test_a_mask_of_another_shape_is_still_one_clear_error(mask, small_model):
+    """The padding-only check must leave a mask it cannot read to the attention's own check, not crash on it."""
+    src, _ = padded_batch()
+    with pytest.raises((ValueError, TypeError), match="mask"):
+        greedy_decode(small_model(), src, mask, 5, START, END)
+
+
 def test_training_mode_dropout_makes_decoding_random_and_eval_fixes_it(small_model):
     model = small_model(dropout=0.3).train()
     src, mask = padded_batch()

@@ -537,11 +537,14 @@ def test_a_record_written_meanwhile_by_another_run_is_kept_and_ours_goes_beside_
         return real(*args, **kwargs)
 
     monkeypatch.setattr(records, "run_experiment", meanwhile)
+    taken = tmp_path / f"results-{os.getpid()}.json"  # the first name beside it: taken too
+    taken.write_text("someone's notes")
     said = []
     config = translation_config("quick", **{**TINY, "steps": 10, "eval_every": 5})
     record_experiment(config, tmp_path / "run", results_path=target, device="cpu", log=said.append)
     assert json.loads(target.read_text()) == other  # the other run's record: kept
-    ours = tmp_path / f"results-{os.getpid()}.json"
+    assert taken.read_text() == "someone's notes"
+    ours = tmp_path / f"results-{os.getpid() + 1}.json"
     assert json.loads(ours.read_text())["config"]["steps"] == 10
     assert any(f"this run's record goes to {ours}" in line for line in said)
 
