@@ -450,7 +450,7 @@ def keep_tokenizer(folder: Path, tokenizer: SentencePieces, checkpoint, *, log=p
     path, digest = folder / TOKENIZER_FILE, tokenizer_digest(tokenizer.processor)
     recorded = checkpoint and checkpoint["extra"].get("tokenizer_sha256")
     beside = tokenizer_digest(path) if checkpoint and path.is_file() else None
-    if beside not in (None, digest) and beside == (recorded or beside):
+    if beside not in (None, digest) and (not recorded or recorded == beside):
         try:  # made with another thread count? the same pieces: keep it
             own = load_tokenizer(path)
         except ValueError:  # damaged: judged below
@@ -462,7 +462,7 @@ def keep_tokenizer(folder: Path, tokenizer: SentencePieces, checkpoint, *, log=p
         raise ValueError(f"the checkpoints in {folder} were trained with another "
                          "tokenizer than these settings make: resume with the same "
                          "settings and data")
-    if checkpoint and path.is_file() and tokenizer_digest(path) != digest:
+    if beside not in (None, digest):  # the file beside them, read once above
         if not recorded:  # written before checkpoints named their tokenizer
             raise ValueError(f"{path} is not the tokenizer of these settings: resume "
                              "with the same settings, or delete it if it is damaged")
