@@ -82,13 +82,8 @@ def download(
     Multi30k file ``name``'s, or ``expected``), then rename: never a partial file."""
     digest = expected or MULTI30K_FILES[name]
     destination.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(
-        dir=destination.parent, prefix=f".{name}.", suffix=".part"
-    )
+    handle, temporary = new_part(destination, name)
     try:
-        if fcntl is not None:
-            # "a live download writes this file"
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         umask = os.umask(0o022)
         os.umask(umask)
         os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes 0600; open() would not
@@ -120,17 +115,39 @@ def download(
     return destination
 
 
-def abandoned(part: Path, older_than: float = STALE_PART_SECONDS) -> bool:
-    """True if no live download writes ``part``: nobody holds its lock (or, without
-    locks, it is old)."""
+def remove_if_abandoned(part: Path, older_than: float = STALE_PART_SECONDS) -> bool:
+    """Delete ``part`` if no live download writes it: nobody holds its lock (or,
+    without locks, it is old). True if it did. It deletes while it holds the lock."""
     if fcntl is None:
-        return time.time() - part.stat().st_mtime > older_than
+        if time.time() - part.stat().st_mtime <= older_than:
+            return False
+        part.unlink()
+        return True
     with open(part, "r+b") as stream:  # NFS locks only a file open for writing
         try:
             fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        part.unlink()
         return True
+
+
+def new_part(destination: Path, name: str) -> tuple[int, str]:
+    """A new ``.part`` file beside ``destination``, open and, where there are locks,
+    locked: its descriptor and its path."""
+    while True:
+        handle, temporary = tempfile.mkstemp(
+            dir=destination.parent, prefix=f".{name}.", suffix=".part"
+        )
+        if fcntl is None:
+            return handle, temporary
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits while a cleaner holds it
+        try:  # the path is still this file: no cleaner took it before the lock
+            if os.path.samestat(os.fstat(handle), os.stat(temporary)):
+                return handle, temporary
+        except FileNotFoundError:
+            pass
+        os.close(handle)  # removed as abandoned: start again with a new name
 
 
 def remove_stale_parts(
@@ -141,8 +158,7 @@ def remove_stale_parts(
     removed = []
     for part in destination.parent.glob(f".{glob.escape(destination.name)}.*.part"):
         try:
-            if abandoned(part, older_than):
-                part.unlink()
+            if remove_if_abandoned(part, older_than):
                 removed.append(part)
         except FileNotFoundError:  # another process removed it first
             pass

@@ -13,6 +13,7 @@ import http.client
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -259,6 +260,52 @@ def test_fetch_removes_stale_part_files_of_killed_downloads(tmp_path, offline):
     # A cached file is cleaned around too, without a download.
     stale = make_part(cache, "val.de.gz", 3600)
     assert fetch("val.de.gz", url="file:///nowhere/") == path and not stale.exists()
+
+
+def served_blob(tmp_path: Path) -> tuple[str, str]:
+    """A file to download, by URL, and its SHA-256."""
+    blob = tmp_path / "server" / "blob"
+    blob.parent.mkdir()
+    blob.write_bytes(b"some bytes to download" * 1000)
+    return blob.as_uri(), download.sha256(blob)
+
+
+@pytest.mark.skipif(download.fcntl is None, reason="without locks, a new file is young: age decides")
+@pytest.mark.parametrize("cleaner_holds_the_lock", [False, True])
+def test_a_cleaner_between_a_new_part_file_and_its_lock_costs_only_a_new_name(
+        tmp_path, monkeypatch, cleaner_holds_the_lock):
+    """Another fetch cleans up in the instant after mkstemp, before the download's lock: the file looks abandoned and is
+    deleted. The download notices (its path no longer names its file) and starts again, instead of writing into a file
+    without a name and failing at the rename. With the cleaner still holding the lock, the download waits for it."""
+    url, digest = served_blob(tmp_path)
+    destination = tmp_path / "cache" / "blob"
+    real_mkstemp, made = download.tempfile.mkstemp, []
+
+    def mkstemp_then_a_cleaner(*args, **kwargs):
+        handle, temporary = real_mkstemp(*args, **kwargs)
+        made.append(temporary)
+        if len(made) == 1 and not cleaner_holds_the_lock:
+            assert download.remove_stale_parts(destination) == [Path(temporary)]
+        elif len(made) == 1:
+            locked, done = threading.Event(), threading.Event()
+
+            def cleaner():
+                with open(temporary, "r+b") as stream:
+                    locks = download.fcntl
+                    locks.flock(stream.fileno(), locks.LOCK_EX | locks.LOCK_NB)
+                    locked.set()
+                    time.sleep(0.3)  # the download's lock waits meanwhile
+                    os.unlink(temporary)
+                done.set()
+
+            threading.Thread(target=cleaner, daemon=True).start()
+            assert locked.wait(10)
+        return handle, temporary
+
+    monkeypatch.setattr(download.tempfile, "mkstemp", mkstemp_then_a_cleaner)
+    assert download.download(url, destination, "blob", expected=digest) == destination
+    assert download.sha256(destination) == digest and len(made) == 2
+    assert sorted(p.name for p in destination.parent.iterdir()) == ["blob"]
 
 
 def test_a_killed_download_leaves_a_part_file_that_the_next_fetch_removes(tmp_path):
