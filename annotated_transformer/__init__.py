@@ -26,6 +26,7 @@ Each module comes from one chapter:
 - ``annotated_transformer.performance``: Performance (book/performance.md)
 - ``annotated_transformer.runtime``: Appendix: the runtime (book/appendix_runtime.md)
 - ``annotated_transformer.checkpoints``: Appendix: checkpoints (book/checkpoints.md)
+- ``annotated_transformer.folders``: Appendix: run folders (book/folders.md)
 - ``annotated_transformer.download``: Appendix: downloading and verifying the data (book/appendix_data.md)
 - ``annotated_transformer.tangle``: Appendix: how this book builds its package (book/appendix_tangle.md)
 - ``annotated_transformer.records``: Appendix: recorded results (book/appendix_results.md)
@@ -89,7 +90,7 @@ _API = {
     "model_from_checkpoint": "checkpoints",
     "average_checkpoints": "checkpoints",
     "CheckpointError": "checkpoints",
-    "check_run_folder": "checkpoints",
+    "check_run_folder": "folders",
 }
 __all__ = list(_API)
 

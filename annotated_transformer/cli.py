@@ -298,7 +298,7 @@ def run_copy_train(args) -> int:
     """``train --task copy``: train, then report the loss and the copy accuracy."""
     import torch.distributed as dist
 
-    from annotated_transformer.checkpoints import latest_checkpoint
+    from annotated_transformer.folders import latest_checkpoint
     from annotated_transformer.copy_task import CopyConfig, copy_config, train_copy_task
     from annotated_transformer.decoding import copy_accuracy
     from annotated_transformer.positional import PositionalEncoding

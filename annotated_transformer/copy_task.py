@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from annotated_transformer.checkpoints import latest_checkpoint, run_folder
+from annotated_transformer.folders import latest_checkpoint, run_folder
 from annotated_transformer.model import make_model
 from annotated_transformer.runtime import (
     AmpSetting, check_settings, choose_precision, distributed_context, evaluating,

@@ -23,10 +23,12 @@ from tqdm import tqdm
 
 from annotated_transformer.attention import attention_settings
 from annotated_transformer.checkpoints import (
-    CheckpointError, check_run_folder, checkpoint_path, checkpoint_problem,
-    checkpoint_state, content_digest, latest_checkpoint, list_checkpoints,
-    load_checkpoint, load_latest_checkpoint, load_model_state, rng_state,
-    rotate_checkpoints, set_rng_state, write_state,
+    CheckpointError, checkpoint_state, content_digest, load_checkpoint,
+    load_model_state, rng_state, set_rng_state, write_state,
+)
+from annotated_transformer.folders import (
+    check_run_folder, checkpoint_path, checkpoint_problem, latest_checkpoint,
+    list_checkpoints, load_latest_checkpoint, rotate_checkpoints,
 )
 from annotated_transformer.runtime import (
     AmpSetting, Interrupted, Precision, Progress, check_positive, choose_precision,

@@ -21,9 +21,12 @@ from tqdm import tqdm
 
 from annotated_transformer.beam_search import MAX_ALPHA, translate, translate_ids
 from annotated_transformer.checkpoints import (
-    average_checkpoints, check_run_folder, checkpoint_problem, list_checkpoints,
-    load_latest_checkpoint, load_model_state, model_from_checkpoint, run_folder,
-    save_checkpoint, write_atomically,
+    average_checkpoints, load_model_state, model_from_checkpoint, save_checkpoint,
+    write_atomically,
+)
+from annotated_transformer.folders import (
+    check_run_folder, checkpoint_problem, list_checkpoints, load_latest_checkpoint,
+    run_folder,
 )
 from annotated_transformer.data import (
     BOS_ID, EOS_ID, LEAST_MAX_LEN, LEAST_VOCAB, PAD_ID, TASK, TOKENIZER_FILE,
@@ -125,8 +128,7 @@ MOST_MINUTES = 10**8  # about 190 years: a longer limit is a typo
 
 
 def check_settings(config: TranslationConfig) -> None:
-    """Raise a ValueError (or TypeError) naming the first setting of ``config`` that
-    cannot be used."""
+    """Raise ValueError (or TypeError) at the first unusable setting of ``config``."""
     limits = [
         name
         for name in ("train_limit", "valid_limit", "test_limit")

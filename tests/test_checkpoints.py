@@ -19,21 +19,11 @@ import torch
 
 from annotated_transformer import checkpoints, copy_task, trainer
 from annotated_transformer.checkpoints import (
-    CheckpointError,
-    average_checkpoints,
-    check_run_folder,
-    checkpoint_path,
-    checkpoint_problem,
-    clean_leftovers,
-    content_digest,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    load_latest_checkpoint,
-    model_from_checkpoint,
-    rotate_checkpoints,
-    run_folder,
-    save_checkpoint,
+    CheckpointError, average_checkpoints, content_digest, load_checkpoint, model_from_checkpoint, save_checkpoint,
+)
+from annotated_transformer.folders import (
+    check_run_folder, checkpoint_path, checkpoint_problem, clean_leftovers, latest_checkpoint, list_checkpoints,
+    load_latest_checkpoint, rotate_checkpoints, run_folder,
 )
 from annotated_transformer.cli import main
 from annotated_transformer.model import make_model

@@ -168,7 +168,8 @@ def test_translation_options_become_a_checked_configuration(capsys, tmp_path: Pa
 def test_the_copy_task_honours_the_shared_model_options(tmp_path: Path, capsys) -> None:
     """--heads, --d-ff and --dropout are settings of CopyConfig too; --checkpoint-every and --keep-last reach the
     training loop."""
-    from annotated_transformer.checkpoints import list_checkpoints, load_checkpoint
+    from annotated_transformer.checkpoints import load_checkpoint
+    from annotated_transformer.folders import list_checkpoints
 
     assert main(["train", "--task", "copy", "--profile", "quick", "--steps", "3", "--d-model", "16", "--layers", "1",
                  "--heads", "2", "--d-ff", "24", "--dropout", "0.25", "--batch-size", "8", "--device", "cpu",

@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from annotated_transformer.checkpoints import latest_checkpoint, save_checkpoint
+from annotated_transformer.checkpoints import save_checkpoint
+from annotated_transformer.folders import latest_checkpoint
 from annotated_transformer.cli import main
 from annotated_transformer.download import DATA_ENV, check_places
 from annotated_transformer.model import make_model

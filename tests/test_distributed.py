@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from annotated_transformer.model import make_model
-from annotated_transformer.checkpoints import latest_checkpoint, load_checkpoint
+from annotated_transformer.checkpoints import load_checkpoint
+from annotated_transformer.folders import latest_checkpoint
 from annotated_transformer.trainer import train
 from annotated_transformer.training import Batch, LabelSmoothing, make_scheduler
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from annotated_transformer import runtime, trainer
-from annotated_transformer.checkpoints import latest_checkpoint, list_checkpoints, load_checkpoint
+from annotated_transformer.checkpoints import load_checkpoint
+from annotated_transformer.folders import latest_checkpoint, list_checkpoints
 from annotated_transformer.cli import build_parser, main
 from annotated_transformer.model import make_model
 from annotated_transformer.runtime import (AMP_TYPES, Precision, choose_precision, cpu_has_bf16_kernels,

@@ -19,22 +19,13 @@ import pytest
 import torch
 from test_checkpoints import flip_bytes
 
-from annotated_transformer import checkpoints, copy_task, trainer
+from annotated_transformer import checkpoints, copy_task, folders, trainer
 from annotated_transformer.checkpoints import (
-    LEFTOVER_NAME,
-    RUN_FILES,
-    CheckpointError,
-    check_run_folder,
-    checkpoint_path,
-    checkpoint_problem,
-    content_digest,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    model_from_checkpoint,
-    run_folder,
-    save_checkpoint,
-    write_atomically,
+    CheckpointError, content_digest, load_checkpoint, model_from_checkpoint, save_checkpoint, write_atomically,
+)
+from annotated_transformer.folders import (
+    LEFTOVER_NAME, RUN_FILES, check_run_folder, checkpoint_path, checkpoint_problem, latest_checkpoint,
+    list_checkpoints, run_folder,
 )
 from annotated_transformer.cli import main
 from annotated_transformer.model import make_model
@@ -46,10 +37,10 @@ COPY = dict(profile="quick", d_model=16, N=1, batch_size=8, device="cpu", progre
 CLI_COPY = ["train", "--task", "copy", "--profile", "quick", "--d-model", "16", "--layers", "1",
             "--batch-size", "8", "--device", "cpu", "--no-progress"]
 ME = f"process {os.getpid()} on {socket.gethostname()}"
-needs_flock = pytest.mark.skipif(checkpoints.fcntl is None, reason="no flock on this system (Windows)")
+needs_flock = pytest.mark.skipif(folders.fcntl is None, reason="no flock on this system (Windows)")
 
 HOLD = """import sys, time
-from annotated_transformer.checkpoints import run_folder
+from annotated_transformer.folders import run_folder
 with run_folder(sys.argv[1], {}):
     print("holding", flush=True)
     time.sleep(600)
@@ -232,9 +223,9 @@ def test_a_run_refused_before_the_holder_wrote_its_name_waits_for_the_name(tmp_p
     run waits for the name a moment (up to 2 s), and says "a process" only if none comes."""
     import threading
 
-    lock = tmp_path / checkpoints.LOCK_FILE
+    lock = tmp_path / folders.LOCK_FILE
     held = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    checkpoints.fcntl.flock(held, checkpoints.fcntl.LOCK_EX | checkpoints.fcntl.LOCK_NB)
+    folders.fcntl.flock(held, folders.fcntl.LOCK_EX | folders.fcntl.LOCK_NB)
     name = threading.Timer(name_after or 0, os.pwrite, (held, b"process 7 on elsewhere", 0))
     try:
         if name_after is not None:
@@ -319,7 +310,7 @@ def test_the_next_run_removes_every_leftover_of_its_writes_and_nothing_else(tmp_
 def test_without_flock_a_run_leaves_the_temporary_files_it_cannot_know_are_dead(tmp_path, monkeypatch):
     """Where a run cannot hold its folder (Windows), a temporary file may be another run's live write: removing it
     would make that run fail to save what it made. It stays, and the run goes on."""
-    monkeypatch.setattr(checkpoints, "fcntl", None)
+    monkeypatch.setattr(folders, "fcntl", None)
     train_copy_task(steps=2, checkpoint_dir=tmp_path, checkpoint_every=1, **COPY)
     writing = leftover(tmp_path, "step_00000003.pt")  # perhaps a live run's
     with warnings.catch_warnings():

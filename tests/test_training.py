@@ -14,15 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from annotated_transformer import checkpoints, trainer
+from annotated_transformer import checkpoints, folders, trainer
 from annotated_transformer.checkpoints import (
-    average_checkpoints,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    model_from_checkpoint,
-    save_checkpoint,
+    average_checkpoints, load_checkpoint, model_from_checkpoint, save_checkpoint,
 )
+from annotated_transformer.folders import latest_checkpoint, list_checkpoints
 from annotated_transformer.cli import main
 from annotated_transformer.decoding import copy_accuracy, greedy_decode
 from annotated_transformer.masks import padding_mask, subsequent_mask
@@ -391,7 +387,7 @@ def test_a_nan_gradient_behind_a_finite_loss_stops_the_run_without_clipping(tmp_
     with pytest.raises(trainer.NonFiniteLossError, match="step 3: the gradient norm is nan"):
         train(model, padded_batches(6), steps=6, optimizer=make_optimizer(model), loss_fn=loss_fn,
               checkpoint_dir=tmp_path, checkpoint_every=1, progress=False)
-    assert [path.name for path in checkpoints.list_checkpoints(tmp_path)] == ["step_00000001.pt", "step_00000002.pt"]
+    assert [path.name for path in folders.list_checkpoints(tmp_path)] == ["step_00000001.pt", "step_00000002.pt"]
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -433,7 +429,7 @@ def test_an_error_making_a_batch_comes_at_its_step_after_the_step_before_is_save
     with pytest.raises(RuntimeError, match="no batch 2"):
         train(model, get_batch, steps=4, optimizer=make_optimizer(model), loss_fn=LabelSmoothing(11, 0, 0.1),
               checkpoint_dir=tmp_path, checkpoint_every=2, progress=False)
-    assert [path.name for path in checkpoints.list_checkpoints(tmp_path)] == ["step_00000002.pt"]
+    assert [path.name for path in folders.list_checkpoints(tmp_path)] == ["step_00000002.pt"]
 
 
 def test_the_norm_without_clipping_leaves_the_gradients_as_they_are():

@@ -21,7 +21,8 @@ import torch
 from dataclasses import asdict, replace
 
 from annotated_transformer.beam_search import strip_special, translate, translate_ids
-from annotated_transformer.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from annotated_transformer.checkpoints import load_checkpoint, save_checkpoint
+from annotated_transformer.folders import latest_checkpoint
 from annotated_transformer.cli import build_parser, translation_config_from_args
 from annotated_transformer.data import BOS_ID, EOS_ID
 from annotated_transformer.download import DATA_ENV

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from annotated_transformer import data
-from annotated_transformer.checkpoints import list_checkpoints, load_checkpoint, write_state
+from annotated_transformer.checkpoints import load_checkpoint, write_state
+from annotated_transformer.folders import list_checkpoints
 from annotated_transformer.cli import main
 from annotated_transformer.data import checkpoint_tokenizer, tokenizer_digest
 from annotated_transformer.records import record_experiment
