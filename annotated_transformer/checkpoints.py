@@ -10,9 +10,10 @@ import inspect
 import os
 import random
 import tempfile
+import threading
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -300,6 +301,57 @@ def model_from_checkpoint(
     model = make_model(**checkpoint["config"])
     load_model_state(model, checkpoint)
     return model.to(get_device(device)).eval(), checkpoint
+
+
+class CheckpointWriter:
+    """Runs one checkpoint write at a time in a background thread; ``check()`` and
+    ``wait()`` raise the error of a write that failed; leaving ``with`` waits."""
+
+    def __init__(self):
+        self.done: threading.Event | None = None  # set when the write under way ends
+        self.error: BaseException | None = None
+
+    def start(self, write: Callable[[], None]) -> None:
+        self.wait()  # the write before, ended (and its error raised)
+        done = self.done = threading.Event()
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as error:  # kept for the training loop to raise
+                self.error = error
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="checkpoint writer").start()
+
+    def check(self) -> None:
+        """Raise the error of a write that has failed (without waiting)."""
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def wait(self) -> None:
+        """Wait for the write under way, through a second Ctrl-C too (raised when the
+        write has ended: cut off, it leaves no checkpoint); raise the write's error."""
+        pending = None
+        while self.done is not None and not self.done.is_set():
+            try:
+                self.done.wait()
+            except KeyboardInterrupt as signal_error:  # Ctrl-C again, or Interrupted
+                pending = signal_error
+        self.done = None
+        self.check()
+        if pending is not None:
+            raise pending
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """Wait for the last write; an error of the block comes before the writer's."""
+        with contextlib.suppress(Exception) if error else contextlib.nullcontext():
+            self.wait()
 
 
 def average_checkpoints(paths: Sequence) -> dict:

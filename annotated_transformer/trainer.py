@@ -9,7 +9,6 @@ import copy
 import math
 import os
 import signal
-import threading
 import time
 import warnings
 from typing import Callable, Sequence
@@ -23,8 +22,8 @@ from tqdm import tqdm
 
 from annotated_transformer.attention import attention_settings
 from annotated_transformer.checkpoints import (
-    CheckpointError, checkpoint_state, content_digest, load_checkpoint,
-    load_model_state, rng_state, set_rng_state, write_state,
+    CheckpointError, CheckpointWriter, checkpoint_state, content_digest,
+    load_checkpoint, load_model_state, rng_state, set_rng_state, write_state,
 )
 from annotated_transformer.folders import (
     check_run_folder, checkpoint_path, checkpoint_problem, latest_checkpoint,
@@ -141,48 +140,6 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
     if scaler is not None and scaler.is_enabled() and extra.get("grad_scaler"):
         scaler.load_state_dict(extra["grad_scaler"])  # the loss scale it had reached
     return checkpoint["step"], extra.get("history"), extra.get("train_seconds", 0.0)
-
-
-class CheckpointWriter:
-    """Runs one checkpoint write at a time in a background thread; ``check()`` and
-    ``wait()`` raise the error of a write that failed; leaving ``with`` waits."""
-
-    def __init__(self):
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-
-    def start(self, write: Callable[[], None]) -> None:
-        self.wait()  # the write before, ended (and its error raised)
-
-        def run() -> None:
-            try:
-                write()
-            except BaseException as error:  # kept for the training loop to raise
-                self.error = error
-
-        self.thread = threading.Thread(target=run, name="checkpoint writer")
-        self.thread.start()
-
-    def check(self) -> None:
-        """Raise the error of a write that has failed (without waiting)."""
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
-
-    def wait(self) -> None:
-        """Wait for the write under way; raise its error."""
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        self.check()
-
-    def __enter__(self) -> CheckpointWriter:
-        return self
-
-    def __exit__(self, kind, error, traceback) -> None:
-        """Wait for the last write; an error of the block comes before the writer's."""
-        with contextlib.suppress(Exception) if error else contextlib.nullcontext():
-            self.wait()
 
 
 def cpu_copy(value):
@@ -380,9 +337,8 @@ def train(
                                  train_seconds=seconds, precision=precision,
                                  extra={**(extra or {}), "steps": steps},  # the goal
                                  scaler=scaler, writer=writer)
-            if stop:
-                writer.wait()  # the checkpoint that the message names is written
-                stopped(stop[0], step + 1, checkpoint_dir)
+            if stop:  # after the write of its checkpoint, which the message names
+                stopped(stop[0], step + 1, checkpoint_dir, writer)
             if last:
                 break
     return history
@@ -515,8 +471,11 @@ def clock_steps(done: int, seconds: float, time_limit: float | None, steps: int,
     return max(done, min(steps, math.ceil(done * time_limit / seconds)))
 
 
-def stopped(signum: int, step: int, checkpoint_dir) -> None:
-    """Stop a run that a signal interrupted after ``step``, naming its checkpoint."""
+def stopped(signum: int, step: int, checkpoint_dir, writer: CheckpointWriter) -> None:
+    """Stop a run that a signal interrupted after ``step``, once ``writer`` has written
+    its checkpoint (through a second signal too), naming the checkpoint."""
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C again: the write goes on
+        writer.wait()
     path = checkpoint_dir is not None and checkpoint_path(checkpoint_dir, step)
     saved = (f"; its checkpoint is {path} (resume from it)" if path
              else " (no checkpoint_dir: none saved)")

@@ -19,13 +19,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from annotated_transformer.checkpoints import save_checkpoint
+from annotated_transformer.checkpoints import load_checkpoint, save_checkpoint
 from annotated_transformer.cli import main
 from annotated_transformer.model import make_model
 
@@ -381,6 +382,54 @@ def test_a_signal_stops_a_run_after_its_step_saving_it(tmp_path, signum, status)
                              timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert resumed.returncode == 0, resumed.stderr.decode()
     assert f"steps: {step + 1}," in resumed.stdout.decode()
+
+
+SLOW_WRITE = """
+import sys, time
+from annotated_transformer import cli, trainer
+real_write, real_steps = trainer.write_state, trainer.accumulate_gradients
+
+def slow_write(path, state):  # a large checkpoint on a slow disk
+    print("writing", file=sys.stderr, flush=True)
+    time.sleep(2)
+    return real_write(path, state)
+
+def first_step(*args, **kwargs):
+    trainer.accumulate_gradients = real_steps
+    print("training", file=sys.stderr, flush=True)
+    return real_steps(*args, **kwargs)
+
+trainer.write_state, trainer.accumulate_gradients = slow_write, first_step
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_second_signal_during_the_interrupt_checkpoint_waits_for_its_write(tmp_path) -> None:
+    """SIGTERM, then SIGTERM again while the stopped run writes its checkpoint: the run used to abort from inside
+    PyTorch (exit 134, 'terminate called without an active exception'), leaving a temporary file and no checkpoint.
+    The write now ends first; the message names the checkpoint, which reads back, and no temporary file is left."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WRITE, "train", "--profile", "quick", "--d-model", "16", "--layers", "1",
+         "--device", "cpu", "--checkpoint-dir", "run", "--checkpoint-every", "100000", "--steps", "100000",
+         "--no-progress"],
+        cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert process.stderr.readline().strip() == b"training"
+        process.send_signal(signal.SIGTERM)
+        assert process.stderr.readline().strip() == b"writing"  # the interrupt's checkpoint
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)  # again, while it writes
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    text = stderr.decode()
+    assert process.returncode == 143, text
+    assert "Traceback" not in text and "terminate called" not in text
+    stopped = re.search(r"its checkpoint is (\S+) \(resume from it\)", text)
+    assert stopped, text
+    assert load_checkpoint(tmp_path / stopped[1])["step"] >= 1
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [Path(stopped[1]).name]
 
 
 # --- issue 21: the environment, closed streams, pipes, and the line between a user's error and a bug ------------
