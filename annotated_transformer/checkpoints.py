@@ -148,9 +148,17 @@ def checkpoint_state(*, model: nn.Module, optimizer=None, scheduler=None,
 
 
 def write_state(path: str | os.PathLike, state: dict) -> Path:
-    """Write a ``checkpoint_state`` atomically at ``path``, with its SHA-256."""
-    return write_atomically(path, lambda stream: torch.save(
-        {**state, "checksum": content_digest(state)}, stream))
+    """Write a ``checkpoint_state`` atomically at ``path``, with its SHA-256; a disk
+    that refuses it raises its own OSError, naming ``path``."""
+    def save(stream) -> None:
+        try:
+            torch.save({**state, "checksum": content_digest(state)}, stream)
+        except RuntimeError as error:  # the zip writer's, over the disk's OSError
+            if not isinstance(cause := error.__context__, OSError):
+                raise
+            raise OSError(cause.errno, cause.strerror, str(path)) from error
+
+    return write_atomically(path, save)
 
 
 def torch_reason(error: Exception) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -653,3 +654,35 @@ def test_the_copy_task_refuses_bad_arguments_before_making_its_folder(tmp_path):
     assert not (tmp_path / "new").exists()
     with pytest.raises(ValueError, match=r"resume=True needs checkpoint_dir"):
         train_copy_task(steps=2, resume=True, **COPY)
+
+
+LIMITED_DISK = """
+import resource, signal, subprocess, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the limit kills the process: a write fails instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
+sys.exit(subprocess.run(sys.argv[2:]).returncode)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs POSIX file-size limits")
+def test_a_disk_that_refuses_a_checkpoint_is_named_in_one_line(tmp_path):
+    """A full disk (here a file-size limit, EFBIG) made torch.save's zip writer fail while closing, and its
+    RuntimeError ('unexpected pos') replaced the disk's OSError: the command line showed a traceback. Now one line
+    names the checkpoint and the disk's reason, and no temporary file is left."""
+    command = [sys.executable, "-c", LIMITED_DISK, "100000", sys.executable, "-m", "annotated_transformer", "train",
+               "--profile", "quick", "--d-model", "128", "--d-ff", "512", "--layers", "1", "--device", "cpu",
+               "--steps", "2", "--checkpoint-dir", "run", "--no-progress"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    line = [text for text in result.stderr.splitlines() if text.startswith("error:")]
+    assert len(line) == 1 and re.fullmatch(r"error: run/step_\d{8}\.pt: File too large", line[0]), result.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []
+    # the library: the disk's OSError, naming the file
+    script = ("import sys; from annotated_transformer.checkpoints import save_checkpoint; "
+              "from annotated_transformer.model import make_model\n"
+              "try:\n    save_checkpoint(sys.argv[1], model=make_model(11, 11, N=1, d_model=128, d_ff=512))\n"
+              "except OSError as error:\n    print(type(error).__name__, error.errno, error.filename)")
+    result = subprocess.run([sys.executable, "-c", LIMITED_DISK, "100000", sys.executable, "-c", script,
+                             str(tmp_path / "small.pt")], capture_output=True, text=True, timeout=300)
+    assert result.stdout.split() == ["OSError", "27", str(tmp_path / "small.pt")], result.stderr
