@@ -163,14 +163,15 @@ def write_checkpoint(
     history: dict,
     train_seconds: float,
     keep_last: int,
+    every: int = 0,
     extra: dict | None = None,
     precision: Precision | None = None,
     scaler=None,
     writer: CheckpointWriter | None = None,
 ) -> None:
     """Write ``step_XXXXXXXX.pt`` (from the first process) with every process's
-    generator state; verify; rotate. With a ``writer`` (one process), from a snapshot
-    in the writer's thread."""
+    generator state; verify; rotate (``every``: the run's checkpoint_every). With a
+    ``writer`` (one process), from a snapshot in the writer's thread."""
     rank, world = distributed_context()
     states: list[dict | None] = [None] * world  # all_gather_object fills it
     if world > 1:
@@ -193,7 +194,7 @@ def write_checkpoint(
                     "the checkpoint just written does not read back, so no older one "
                     f"was deleted: {problem}"
                 )
-            rotate_checkpoints(checkpoint_dir, keep_last)
+            rotate_checkpoints(checkpoint_dir, keep_last, every)
 
         if writer is not None and world == 1:
             snapshot = cpu_copy(state)
@@ -334,6 +335,7 @@ def train(
                 write_checkpoint(checkpoint_dir, step + 1, model=model,
                                  optimizer=optimizer, scheduler=scheduler,
                                  history=history, keep_last=keep_last,
+                                 every=checkpoint_every,
                                  train_seconds=seconds, precision=precision,
                                  extra={**(extra or {}), "steps": steps},  # the goal
                                  scaler=scaler, writer=writer)
