@@ -785,6 +785,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description=(
             "The Annotated Transformer: tangle the book, train, translate and evaluate."
         ),
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {__version__}"
@@ -794,7 +795,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         metavar="COMMAND",
         required=True,
         parser_class=lambda **kwargs: argparse.ArgumentParser(
-            usage="%(prog)s [options]", **kwargs
+            usage="%(prog)s [options]", allow_abbrev=False, **kwargs
         ),
     )
     for name, (help_line, add) in COMMANDS.items():

@@ -273,6 +273,13 @@ IN_PROCESS = [
      "--batch-sizes sets the decoding section's batches", None),
     ("bench-compile-without-training", bench("--only", "decoding", "--compile"),
      "--compile compiles the training step", None),
+    # an abbreviated option is refused: a run's record must name its --checkpoint-dir in full (for --resume)
+    ("train-abbreviated-option", train("--checkpoint-d", "run"), "unrecognized arguments: --checkpoint-d run", None),
+    ("translate-abbreviated-option", translate("--beam", "2"), "unrecognized arguments: --beam 2", b"3 4\n"),
+    ("evaluate-abbreviated-option", evaluate("--length-pen", "1"), "unrecognized arguments: --length-pen 1", None),
+    ("bench-abbreviated-option", bench("--only", "training", "--batch-s", "4"),
+     "unrecognized arguments: --batch-s 4", None),
+    ("version-abbreviated", ["--vers", "tangle", "--check"], "unrecognized arguments: --vers", None),
 ]
 
 
