@@ -579,16 +579,14 @@ def add_translate(subparsers) -> None:
         default=32,
         help="sentences decoded at once (default: 32)",
     )
-    decoding.add_argument(
+    decoding.add_argument(  # left out: None, so that one given in vain is refused
         "--length-penalty",
         type=alpha,
-        default=0.6,
         help="alpha of the length penalty (default: 0.6, as in the paper)",
     )
     decoding.add_argument(
         "--penalty",
         choices=Choices("beam_search", "LENGTH_PENALTIES"),
-        default="gnmt",
         help=(
             "length penalty: gnmt ((5+|Y|)/6)^alpha, simple |Y|^alpha, none (default: "
             "gnmt)"
@@ -603,6 +601,7 @@ def run_translate(args) -> int:
     from annotated_transformer.data import read_lines
     from annotated_transformer.translation import checkpoint_tokenizer
 
+    alpha, penalty = length_penalty(args)
     model, checkpoint = model_from_checkpoint(args.checkpoint, device=args.device)
     tokenizer = checkpoint_tokenizer(checkpoint, args.checkpoint)
     if args.input is None and sys.stdin is None:  # closed (`<&-`)
@@ -620,12 +619,27 @@ def run_translate(args) -> int:
         beam_size=args.beam_size,
         max_len=args.max_len,
         batch_size=args.batch_size,
-        length_penalty=args.length_penalty,
-        penalty=args.penalty,
+        length_penalty=alpha,
+        penalty=penalty,
     )
     sys.stdout.writelines(output + "\n" for output in outputs)
     sys.stdout.flush()
     return 0
+
+
+def length_penalty(args) -> tuple[float, str]:
+    """The (alpha, kind) of ``args``' length penalty: an option that the search would
+    not use is refused; one left out (None) gets its default."""
+    alpha, penalty = args.length_penalty, vars(args).get("penalty")  # evaluate: gnmt
+    if args.beam_size == 1 and (alpha is not None or penalty is not None):
+        given = [option for option, value in zip(("--length-penalty", "--penalty"),
+                                                 (alpha, penalty)) if value is not None]
+        raise ValueError(f"greedy search (--beam-size 1) uses no length penalty: leave "
+                         f"out {' and '.join(given)}, or give a --beam-size above 1")
+    if penalty == "none" and alpha is not None:
+        raise ValueError("--penalty none uses no alpha: leave out --length-penalty, or "
+                         "give --penalty gnmt or simple")
+    return 0.6 if alpha is None else alpha, penalty or "gnmt"
 
 
 def add_evaluate(subparsers) -> None:
@@ -651,7 +665,8 @@ def add_evaluate(subparsers) -> None:
         default=1,
         help="1 for greedy search (default: 1)",
     )
-    parser.add_argument("--length-penalty", type=alpha, default=0.6, help="alpha (0.6)")
+    parser.add_argument("--length-penalty", type=alpha,  # None: refused if greedy
+                        help="beam search's alpha (default: 0.6)")
     parser.add_argument(
         "--batch-size",
         type=positive_int,
@@ -703,6 +718,7 @@ def run_evaluate(args) -> int:
         )
     if args.source is not None and args.split is not None:
         raise ValueError("give either --split or --source and --reference, not both")
+    alpha, _ = length_penalty(args)
     pairs = (None if args.source is None
              else read_parallel(args.source, args.reference, read_lines))
     model, tokenizer, _ = load_translator(args.checkpoint, args.device)
@@ -713,13 +729,13 @@ def run_evaluate(args) -> int:
         tokenizer,
         pairs,
         beam_size=args.beam_size,
-        length_penalty=args.length_penalty,
+        length_penalty=alpha,
         batch_size=args.batch_size,
     )
     search = (
         "greedy"
         if args.beam_size == 1
-        else f"beam {args.beam_size}, alpha {args.length_penalty}"
+        else f"beam {args.beam_size}, alpha {alpha}"
     )
     print(
         f"{name} ({len(pairs)} sentences, {search}): BLEU {scores['bleu']:.2f}  "

@@ -134,6 +134,36 @@ def test_translate_and_evaluate_help_list_every_option(capsys) -> None:
         assert option in out, option
 
 
+def test_a_length_penalty_is_refused_where_the_search_would_not_use_it() -> None:
+    """Greedy search has no length penalty, and --penalty none no alpha: an option given in vain is refused, one
+    left out gets its default (gnmt, alpha 0.6), and every use that beam search reads is kept."""
+    from annotated_transformer.cli import build_parser, length_penalty
+
+    parser = build_parser()
+
+    def chosen(command: str, *options: str) -> tuple[float, str]:
+        return length_penalty(parser.parse_args([command, *options, "--checkpoint", "x.pt"]))
+
+    assert chosen("translate") == chosen("translate", "--beam-size", "1") == (0.6, "gnmt")
+    assert chosen("translate", "--penalty", "none") == (0.6, "none")
+    assert chosen("translate", "--penalty", "simple", "--length-penalty", "1") == (1.0, "simple")
+    assert chosen("translate", "--beam-size", "2", "--length-penalty", "0") == (0.0, "gnmt")
+    assert chosen("evaluate") == (0.6, "gnmt")
+    assert chosen("evaluate", "--beam-size", "4", "--length-penalty", "1") == (1.0, "gnmt")
+    greedy = r"greedy search \(--beam-size 1\) uses no length penalty: leave out "
+    for options, message in [
+        (["translate", "--beam-size", "1", "--length-penalty", "10"], greedy + "--length-penalty, or"),
+        (["translate", "--beam-size", "1", "--length-penalty", "0"], greedy + "--length-penalty, or"),
+        (["translate", "--beam-size", "1", "--penalty", "simple"], greedy + "--penalty, or"),
+        (["translate", "--beam-size", "1", "--penalty", "none", "--length-penalty", "1"],
+         greedy + "--length-penalty and --penalty, or"),
+        (["translate", "--penalty", "none", "--length-penalty", "10"], "--penalty none uses no alpha"),
+        (["evaluate", "--length-penalty", "10"], greedy + "--length-penalty"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            chosen(*options)
+
+
 def test_train_help_lists_the_options_of_the_translation_task(capsys) -> None:
     out = help_of(capsys, "train")
     assert "settings of --task multi30k; left out: the profile's values" in out

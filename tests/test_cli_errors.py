@@ -273,6 +273,13 @@ IN_PROCESS = [
      "--batch-sizes sets the decoding section's batches", None),
     ("bench-compile-without-training", bench("--only", "decoding", "--compile"),
      "--compile compiles the training step", None),
+    # a length penalty that the search would not use is refused, not ignored
+    ("translate-greedy-length-penalty", translate("--beam-size", "1", "--penalty", "simple", "--length-penalty", "10"),
+     "greedy search (--beam-size 1) uses no length penalty: leave out --length-penalty and --penalty", b"3 4\n"),
+    ("translate-penalty-none-length-penalty", translate("--penalty", "none", "--length-penalty", "10"),
+     "--penalty none uses no alpha: leave out --length-penalty", b"3 4\n"),
+    ("evaluate-greedy-length-penalty", evaluate("--length-penalty", "10"),
+     "greedy search (--beam-size 1) uses no length penalty: leave out --length-penalty", None),
     # an abbreviated option is refused: a run's record must name its --checkpoint-dir in full (for --resume)
     ("train-abbreviated-option", train("--checkpoint-d", "run"), "unrecognized arguments: --checkpoint-d run", None),
     ("translate-abbreviated-option", translate("--beam", "2"), "unrecognized arguments: --beam 2", b"3 4\n"),
