@@ -325,26 +325,30 @@ def check_places(args) -> None:
 RUN_FILE = re.compile(r"step_\d+\.pt|average\.pt|tokenizer\.model|valid\.json")
 
 
-def kept_kind(path: Path, *, records: bool) -> str | None:
-    """What a file holds that no output may replace, whatever its name: "a PyTorch
-    checkpoint" (a zip), "a results record" (JSON that names its command; if
-    ``records``); else None."""
+def kept_kind(path: Path, option: str) -> str | None:
+    """What a file holds that ``option`` may not replace, whatever its name: "a PyTorch
+    checkpoint" (a zip), "a results record" (JSON that names its command), "a benchmark
+    record" (JSON whose ``meta`` names its device, as ``bench`` writes); else None."""
     with open(path, "rb") as stream:
         head = stream.read(4)
     if head == b"PK\x03\x04":
         return "a PyTorch checkpoint"
-    if records and head[:1] == b"{":
-        try:
-            if "command" in json.loads(path.read_text(encoding="utf-8")):
-                return "a results record"
-        except (ValueError, TypeError):  # not JSON, not UTF-8, not an object
-            pass
+    try:  # what parses from "{..." is a dict
+        record = (json.loads(path.read_text(encoding="utf-8"))
+                  if head[:1] == b"{" else {})
+    except ValueError:  # not JSON, not UTF-8
+        record = {}
+    meta = record.get("meta")
+    if "command" in record and option != "--results":
+        return "a results record"
+    if isinstance(meta, dict) and "device_name" in meta and option != "--json":
+        return "a benchmark record"
     return None
 
 
 def check_kept(path: Path, option: str, inputs: dict) -> None:
     """Refuse to write over an input of the same command, a file of a training run (by
-    its name or its contents: a checkpoint, a results record) or a file of the
+    its name or its contents: a checkpoint, a record; ``kept_kind``) or a file of the
     Multi30k folders (the data's, the cache's)."""
     if not path.exists():
         return
@@ -355,8 +359,7 @@ def check_kept(path: Path, option: str, inputs: dict) -> None:
     if RUN_FILE.fullmatch(path.name):
         raise ValueError(f"{path} ({option}) would replace {path.name}, a file of a "
                          "training run: name another file")
-    # --results replaces its own run's record, and no other (it checks that itself)
-    if kind := kept_kind(path, records=option != "--results"):
+    if kind := kept_kind(path, option):
         raise ValueError(f"{path} ({option}) is {kind}: writing it would destroy it; "
                          "name another file")
     places = [Path(os.environ[DATA_ENV])] if os.environ.get(DATA_ENV) else []

@@ -44,6 +44,8 @@ def files(tmp_path, monkeypatch):
     save_checkpoint(run / "step_00000002.pt", model=make_model(11, 11, N=1, d_model=16, d_ff=32, h=2))
     shutil.copy(run / "average.pt", tmp_path / "model.pt")  # a checkpoint by its contents, not its name
     (tmp_path / "record.json").write_text('{"command": "python -m annotated_transformer train", "test": {}}')
+    (tmp_path / "bench.json").write_text('{"meta": {"command": "python -m annotated_transformer bench", '
+                                         '"device_name": "cpu (2 threads)"}, "training": []}')
     data = tmp_path / "data"
     data.mkdir()
     (data / "val.en.gz").write_bytes(b"corpus")
@@ -65,6 +67,9 @@ def files(tmp_path, monkeypatch):
     (["bench", "--smoke", "--json", "model.pt"], "model.pt (--json) is a PyTorch checkpoint"),
     (["evaluate", "--checkpoint", "run/average.pt", "--source", "de.txt", "--reference", "en.txt",
       "--output", "record.json"], "record.json (--output) is a results record: writing it would destroy it"),
+    (["evaluate", "--checkpoint", "run/average.pt", "--source", "de.txt", "--reference", "en.txt",
+      "--output", "bench.json"], "bench.json (--output) is a benchmark record: writing it would destroy it"),
+    (["bench", "--smoke", "--json", "record.json"], "record.json (--json) is a results record"),
     (["evaluate", "--checkpoint", "run/average.pt", "--split", "valid", "--output", "data/val.en.gz"],
      "data/val.en.gz (--output) is in a folder of the Multi30k files"),
 ])
@@ -77,6 +82,7 @@ def test_an_output_never_replaces_a_file_that_must_be_kept(files, capsys, argv, 
 def test_an_ordinary_existing_output_may_be_replaced(files) -> None:
     (files / "results.json").write_text("{}")
     check_places(argparse.Namespace(json="results.json", output="new/out.txt", checkpoint="run/average.pt"))
+    check_places(argparse.Namespace(json="bench.json"))  # a benchmark's record: bench --json replaces it
 
 
 def test_a_run_stopped_before_its_first_checkpoint_is_resumed_with_a_one_line_warning(tmp_path, capsys) -> None:
