@@ -466,26 +466,38 @@ def translate(
     return [tokenizer.decode(ids) for ids in outputs]
 
 
+def line_sources(
+    model, tokenizer: Tokenizer, lines: Sequence[str], name: str = ""
+) -> dict[int, list[int]]:
+    """{line number, counted from 1: its source ids} for the lines that are not empty,
+    each checked against the model's positional table; an error names its line (and
+    ``name``, the file's, if given)."""
+    sources, limit = {}, positional_limits(model)[0]
+    where = f" of {name}" if name else ""
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            sources[number] = tokenizer.encode(line.strip())
+        except ValueError as error:
+            raise ValueError(f"line {number}{where}: {error}") from None
+        if limit is not None and len(sources[number]) > limit:
+            raise ValueError(
+                f"line {number}{where} has {len(sources[number])} tokens; this model "
+                f"reads at most {limit}: shorten or split it"
+            )
+    return sources
+
+
 def translate_lines(
     model, tokenizer: Tokenizer, lines: Sequence[str], **options
 ) -> list[str]:
     """``translate`` for the lines of a file (options: those of ``translate_ids``): an
     empty line gives an empty line, and every error names its line, counted from 1."""
-    numbers = [number for number, line in enumerate(lines, start=1) if line.strip()]
-    sources, limit = [], positional_limits(model)[0]
-    for number in numbers:
-        try:
-            sources.append(tokenizer.encode(lines[number - 1].strip()))
-        except ValueError as error:
-            raise ValueError(f"line {number}: {error}") from None
-        if limit is not None and len(sources[-1]) > limit:
-            raise ValueError(
-                f"line {number} has {len(sources[-1])} tokens; this model reads at "
-                f"most {limit}: shorten or split it"
-            )
+    sources = line_sources(model, tokenizer, lines)
     outputs = [""] * len(lines)
     for number, ids in zip(
-        numbers, translate_ids(model, tokenizer, sources, **options)
+        sources, translate_ids(model, tokenizer, list(sources.values()), **options)
     ):
         outputs[number - 1] = tokenizer.decode(ids)
     return outputs

@@ -707,6 +707,7 @@ def add_evaluate(subparsers) -> None:
 
 
 def run_evaluate(args) -> int:
+    from annotated_transformer.beam_search import line_sources
     from annotated_transformer.checkpoints import write_atomically
     from annotated_transformer.data import load_split, read_lines
     from annotated_transformer.translation import evaluate_bleu, load_translator
@@ -724,6 +725,8 @@ def run_evaluate(args) -> int:
     model, tokenizer, _ = load_translator(args.checkpoint, args.device)
     name = Path(args.source).name if args.source is not None else args.split or "test"
     pairs = (load_split(name) if pairs is None else pairs)[: args.limit]
+    where = f"{args.source} (--source)" if args.source else f"the {name} split"
+    line_sources(model, tokenizer, [source for source, _ in pairs], where)  # too long?
     scores = evaluate_bleu(
         model,
         tokenizer,

@@ -164,6 +164,34 @@ def test_a_length_penalty_is_refused_where_the_search_would_not_use_it() -> None
             chosen(*options)
 
 
+def test_evaluate_names_the_line_and_the_file_of_a_sentence_too_long(tmp_path, monkeypatch, capsys) -> None:
+    """As translate does: the line, counted from 1, of --source or of the split, before anything is decoded."""
+    import torch
+
+    import annotated_transformer.data as data
+    import annotated_transformer.translation as translation
+    from annotated_transformer.beam_search import TokenIds
+    from annotated_transformer.model import make_model
+
+    torch.manual_seed(0)
+    model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)  # a table of 5000 positions
+    monkeypatch.setattr(model, "encode", lambda *args: pytest.fail("decoding started"))
+    monkeypatch.setattr(translation, "load_translator", lambda *args: (model, TokenIds(11), {}))
+    pairs = [("3 4", "3 4"), (" ".join(["3"] * 5000), "3")]  # the start symbol makes 5001
+    monkeypatch.setattr(data, "load_split", lambda name: pairs)
+    (tmp_path / "src.txt").write_text("".join(source + "\n" for source, _ in pairs))
+    (tmp_path / "ref.txt").write_text("".join(reference + "\n" for _, reference in pairs))
+    for options, where in [
+        (["--source", str(tmp_path / "src.txt"), "--reference", str(tmp_path / "ref.txt")],
+         f"{tmp_path / 'src.txt'} (--source)"),
+        (["--split", "valid"], "the valid split"),
+        ([], "the test split"),
+    ]:
+        assert main(["evaluate", "--checkpoint", "x.pt", "--device", "cpu", *options]) == 2
+        assert capsys.readouterr().err == (f"error: line 2 of {where} has 5001 tokens; this model reads at most "
+                                           "5000: shorten or split it\n")
+
+
 def test_train_help_lists_the_options_of_the_translation_task(capsys) -> None:
     out = help_of(capsys, "train")
     assert "settings of --task multi30k; left out: the profile's values" in out
