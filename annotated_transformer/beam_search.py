@@ -273,7 +273,11 @@ class TokenIds:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (ids separated by spaces), with the start symbol first
-        if the task wants it."""
+        if the task wants it; the padding id is refused, and so is the start symbol
+        then, since the task puts it first itself."""
+        reserved = {self.pad: "padding"}
+        if self.source_start:
+            reserved.setdefault(self.start, "the start symbol")
         ids = []
         for word in text.split():
             try:
@@ -282,11 +286,13 @@ class TokenIds:
                 raise ValueError(
                     f"expected token ids (integers separated by spaces), got {word!r}"
                 ) from None
-            if not 0 <= value < self.vocab or value == self.pad:
-                raise ValueError(
-                    f"token id {value} is outside 0..{self.vocab - 1} or is the "
-                    f"padding id {self.pad}"
-                )
+            if not 0 <= value < self.vocab or value in reserved:
+                # the reserved ids are the lowest (0, 1), or the notes name the gaps
+                low = len(reserved) if max(reserved) < len(reserved) else 0
+                notes = ", ".join(f"{i} is {what}"
+                                  for i, what in sorted(reserved.items()))
+                raise ValueError(f"token id {value} is not a symbol of this task: use "
+                                 f"{low}..{self.vocab - 1} ({notes})")
             ids.append(value)
         return [self.start] + ids if self.source_start else ids
 

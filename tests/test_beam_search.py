@@ -331,6 +331,14 @@ def test_token_ids_tokenizer():
     for bad in ("3 x 5", "3 11", "-1", "0 3"):
         with pytest.raises(ValueError):
             tok.encode(bad)
+    # the start symbol is the task's to put first: in a source it would be copied wrongly without a word
+    symbols = r"is not a symbol of this task: use 2\.\.10 \(0 is padding, 1 is the start symbol\)"
+    for bad, value in (("1 2 3", 1), ("3 1", 1), ("0 3", 0), ("3 11", 11)):
+        with pytest.raises(ValueError, match=rf"^token id {value} {symbols}$"):
+            tok.encode(bad)
+    assert TokenIds(11, source_start=False).encode("1 3") == [1, 3]  # no start symbol put first: 1 is a symbol
+    with pytest.raises(ValueError, match=r"use 1\.\.10 \(0 is padding\)$"):
+        TokenIds(11, source_start=False).encode("0 3")
 
 
 def test_tokenizer_from_checkpoint():
