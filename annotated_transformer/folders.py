@@ -110,17 +110,15 @@ def load_latest_checkpoint(
 def rotate_checkpoints(directory, keep_last: int, every: int = 0) -> list[Path]:
     """Delete all but the newest ``keep_last`` intact checkpoints (0 keeps all; a
     damaged one never counts as kept), and, with ``every``, those off that cadence (a
-    stopped run's) but the newest; return the deleted."""
+    stopped run's) once a newer one is intact; return the deleted."""
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0, got {keep_last}")
-    found, intact, old = list_checkpoints(directory), 0, []
-    for path in reversed(found):
-        step = int(path.stem.removeprefix("step_"))  # as list_checkpoints read it
-        if every and step % every and path != found[-1]:  # superseded
-            old.append(path)
-        elif keep_last and intact == keep_last:
-            old.append(path)
-        elif keep_last and checkpoint_problem(path) is None:
+    intact, old = 0, []
+    for path in reversed(list_checkpoints(directory)):
+        off = every and int(path.stem.removeprefix("step_")) % every  # as listed
+        if (keep_last and intact == keep_last) or (off and intact):
+            old.append(path)  # beyond those kept, or superseded
+        elif (keep_last or every) and checkpoint_problem(path) is None:
             intact += 1
     for path in old:
         VERIFIED.pop(path.resolve(), None)

@@ -698,3 +698,14 @@ def test_a_run_stopped_off_its_cadence_and_resumed_ends_with_the_files_of_a_run_
     names = [p.name for p in list_checkpoints(tmp_path / "stopped")]
     assert names == [p.name for p in list_checkpoints(tmp_path / "straight")] == ["step_00000002.pt",
                                                                                  "step_00000004.pt"]
+
+
+def test_rotation_drops_an_off_cadence_checkpoint_only_once_a_newer_one_is_intact(tmp_path):
+    model = tiny_model(0)
+    for step in (2, 3, 4, 5, 6):
+        save_checkpoint(checkpoint_path(tmp_path, step), model=model, step=step)
+    checkpoint_path(tmp_path, 6).write_bytes(b"damaged")  # the newest is not intact: 5 is the one to resume from
+    assert rotate_checkpoints(tmp_path, 0, every=2) == [checkpoint_path(tmp_path, 3)]  # 0 keeps every regular one
+    assert [p.name for p in list_checkpoints(tmp_path)] == [f"step_0000000{s}.pt" for s in (2, 4, 5, 6)]
+    assert rotate_checkpoints(tmp_path, 1, every=2) == [checkpoint_path(tmp_path, s) for s in (2, 4)]
+    assert rotate_checkpoints(tmp_path, 1) == []  # without the cadence, as before
