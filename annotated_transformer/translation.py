@@ -356,9 +356,9 @@ def train_translator(config: TranslationConfig, checkpoint_dir: str | os.PathLik
     with run_folder(checkpoint_dir, run_settings(config), resume=resume,
                     older=OLDER_SETTINGS) as folder:
         checkpoint = resumed_checkpoint(folder, resume, config)
-        keep_tokenizer(folder, tokenizer, checkpoint, log=log)
-        if checkpoint:  # its weights, in case its validation loss is missing
+        if checkpoint:  # its weights (for a missing validation loss); before any write
             load_model_state(model, checkpoint)
+        keep_tokenizer(folder, tokenizer, checkpoint, log=log)
         extra = {"task": TASK, "settings": run_settings(config),  # in every checkpoint
                  "tokenizer_sha256": tokenizer_digest(tokenizer.processor)}
         history, valid, seconds = train_with_validation(

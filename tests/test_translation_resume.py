@@ -286,3 +286,21 @@ def test_a_deleted_valid_json_is_rebuilt_from_the_checkpoints(finished, tmp_path
     again = train_translator(translation_config("quick", **dict(TINY, steps=30)), folder, resume=True, **QUIET)
     assert again["valid"]["step"] == [10, 20, 30]
     assert again["valid"]["loss"][:2] == pytest.approx(trained["valid"]["loss"], abs=1e-6)
+
+
+def test_a_copy_task_folder_resumed_as_a_translation_is_refused_before_any_write(environment, tmp_path, capsys):
+    """A copy-task run's folder, resumed as a Multi30k run with options that match the settings the two tasks share:
+    the refusal (another model configuration) came after the tokenizer had been written into the folder, and the copy
+    run's checkpoints then read as a translator's (translate failed on them). Refused now before any write."""
+    torch.set_num_threads(1)
+    folder = tmp_path / "copy"
+    assert main(["train", "--profile", "quick", "--steps", "4", "--checkpoint-dir", str(folder), "--device", "cpu",
+                 "--no-progress"]) == 0
+    before = untouched(folder)
+    status = main(["train", "--task", "multi30k", "--profile", "quick", "--steps", "8", "--resume",
+                   "--checkpoint-dir", str(folder), "--device", "cpu", "--no-progress", "--no-norm-first",
+                   "--d-model", "32", "--d-ff", "64", "--dropout", "0.1", "--attention-dropout", "0.1",
+                   "--activation-dropout", "0.1", "--factor", "0.5", "--smoothing", "0", "--warmup", "100",
+                   "--train-limit", "2000", "--valid-limit", "30"])
+    assert status != 0 and "another model configuration" in capsys.readouterr().err
+    assert untouched(folder) == before and not (folder / "tokenizer.model").exists()
