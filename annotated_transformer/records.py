@@ -315,7 +315,9 @@ def record_experiment(
     record["bootstrap"] = bleu_bootstrap(test, record["translations"], baseline="beam")
     for name, row in record["bootstrap"].items():
         log(f"  {name}: BLEU {row['bleu']:.2f} +- {row['ci95']:.2f} (95% interval)")
-    record["total_seconds"] = round(time.perf_counter() - started, 1)
+    record["total_seconds"] = round(time.perf_counter() - started, 1)  # this call's
+    if options.get("resume"):  # train_seconds sums every part; total_seconds, this one
+        record["resumed"] = True
     if results_path is not None:
         path = unclaimed(results_path, checkpoint_dir, log)  # checked again
         log(f"results: {write_results(path, record)}")
