@@ -109,9 +109,8 @@ def download(
             if fcntl is None:
                 stream.close()  # Windows renames no file that is open
             os.replace(temporary, destination)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+    finally:  # a cleaner may have taken it since its lock ended: gone either way
+        Path(temporary).unlink(missing_ok=True)
     return destination
 
 
