@@ -18,6 +18,7 @@ import torch
 
 from annotated_transformer.checkpoints import write_atomically
 from annotated_transformer.data import SPLITS, load_split
+from annotated_transformer.folders import list_checkpoints
 from annotated_transformer.runtime import check_size, describe_device, get_device
 from annotated_transformer.translation import (
     TASK, bleu_bootstrap, cross_attention_example, evaluate_bleu, train_translator,
@@ -292,6 +293,9 @@ def record_experiment(
     if results_path is not None:
         check_results_path(results_path, checkpoint_dir)
     started, device = time.perf_counter(), get_device(device)
+    # resumed from a checkpoint (--resume in a folder without one starts at step 0)
+    resumed = bool(options.get("resume") and checkpoint_dir
+                   and list_checkpoints(checkpoint_dir))
     test_scores, trained = run_experiment(
         config, checkpoint_dir, device=device, log=log, **options
     )
@@ -316,7 +320,7 @@ def record_experiment(
     for name, row in record["bootstrap"].items():
         log(f"  {name}: BLEU {row['bleu']:.2f} +- {row['ci95']:.2f} (95% interval)")
     record["total_seconds"] = round(time.perf_counter() - started, 1)  # this call's
-    if options.get("resume"):  # train_seconds sums every part; total_seconds, this one
+    if resumed:  # train_seconds sums every part; total_seconds, this one
         record["resumed"] = True
     if results_path is not None:
         path = unclaimed(results_path, checkpoint_dir, log)  # checked again
