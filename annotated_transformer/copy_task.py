@@ -171,6 +171,7 @@ def train_copy_task(
         dropout=config.dropout,
     ).to(device)
     settings = {key: value for key, value in asdict(config).items() if key != "steps"}
+    settings["checkpoint_every"] = checkpoint_every  # rotation relies on the cadence
     rank, _ = distributed_context()
     # the same initial weights everywhere, but each process its own dropout masks
     if rank > 0:

@@ -114,11 +114,11 @@ def rotate_checkpoints(directory, keep_last: int, every: int = 0) -> list[Path]:
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0, got {keep_last}")
     intact, old = 0, []
-    for path in reversed(list_checkpoints(directory)):
+    for path in reversed(list_checkpoints(directory) if keep_last else []):
         off = every and int(path.stem.removeprefix("step_")) % every  # as listed
-        if (keep_last and intact == keep_last) or (off and intact):
+        if intact == keep_last or (off and intact):
             old.append(path)  # beyond those kept, or superseded
-        elif (keep_last or every) and checkpoint_problem(path) is None:
+        elif checkpoint_problem(path) is None:
             intact += 1
     for path in old:
         VERIFIED.pop(path.resolve(), None)

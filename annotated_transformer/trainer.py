@@ -9,6 +9,8 @@ import copy
 import math
 import os
 import signal
+import sys
+import threading
 import time
 import warnings
 from typing import Callable, Sequence
@@ -30,8 +32,9 @@ from annotated_transformer.folders import (
     list_checkpoints, load_latest_checkpoint, rotate_checkpoints,
 )
 from annotated_transformer.runtime import (
-    AmpSetting, Interrupted, Precision, Progress, check_positive, choose_precision,
-    compile_settings, distributed_context, get_device, shard_rows, stop_requests,
+    STOP_SIGNALS, AmpSetting, Interrupted, Precision, Progress, check_positive,
+    choose_precision, compile_settings, distributed_context, get_device, shard_rows,
+    stop_requests,
 )
 from annotated_transformer.training import Batch
 
@@ -270,18 +273,10 @@ def train(
     device = next(model.parameters()).device if device is None else get_device(device)
     precision = choose_precision(device, amp)
     get_batch = check_training(
-        batches,
-        steps=steps,
-        accumulation_steps=accumulation_steps,
-        checkpoint_every=checkpoint_every,
-        resume=resume,
-        checkpoint_dir=checkpoint_dir,
-        eval_every=eval_every,
-        time_limit=time_limit,
-        keep_last=keep_last,
-        clip_norm=clip_norm,
-        extra=extra,
-    )
+        batches, steps=steps, accumulation_steps=accumulation_steps,
+        checkpoint_every=checkpoint_every, resume=resume, checkpoint_dir=checkpoint_dir,
+        eval_every=eval_every, time_limit=time_limit, keep_last=keep_last,
+        clip_norm=clip_norm, extra=extra)
     scaler = precision.grad_scaler()
     start, history, seconds_before = 0, None, 0.0
     if resume:
@@ -300,6 +295,10 @@ def train(
           CheckpointWriter() as writer,
           contextlib.closing(Progress(progress, total=steps, initial=start,
                                       note=note)) as bar):
+        saving_options = dict(  # every: the steps of a run that saves at its end only
+            model=model, optimizer=optimizer, scheduler=scheduler, history=history,
+            keep_last=keep_last, every=checkpoint_every or steps, precision=precision,
+            scaler=scaler, writer=writer)
         started = time.perf_counter()
         group = micro_batches(get_batch, start, accumulation_steps)
         for step in range(start, steps):
@@ -330,17 +329,14 @@ def train(
                        total=clock_steps(step + 1, seconds, time_limit, steps, last))
             if evaluate is not None and (last or due(step + 1, eval_every, steps)):
                 started += timed(evaluate, step + 1)  # not training time
-            saving = last or due(step + 1, checkpoint_every, steps) or stop
-            if checkpoint_dir is not None and saving:
-                write_checkpoint(checkpoint_dir, step + 1, model=model,
-                                 optimizer=optimizer, scheduler=scheduler,
-                                 history=history, keep_last=keep_last,
-                                 every=checkpoint_every,
-                                 train_seconds=seconds, precision=precision,
-                                 extra={**(extra or {}), "steps": steps},  # the goal
-                                 scaler=scaler, writer=writer)
-            if stop:  # after the write of its checkpoint, which the message names
-                stopped(stop[0], step + 1, checkpoint_dir, writer)
+            with save_before_stop(bool(stop)):  # a stopped run's save is not cut
+                if checkpoint_dir is not None and (
+                        last or due(step + 1, checkpoint_every, steps) or stop):
+                    write_checkpoint(checkpoint_dir, step + 1, train_seconds=seconds,
+                                     extra={**(extra or {}), "steps": steps},  # goal
+                                     **saving_options)
+                if stop:  # after the write of its checkpoint, which the message names
+                    stopped(stop[0], step + 1, checkpoint_dir, writer)
             if last:
                 break
     return history
@@ -471,6 +467,24 @@ def clock_steps(done: int, seconds: float, time_limit: float | None, steps: int,
     if last or seconds <= 0 or math.isinf(time_limit):  # inf: the steps are the end
         return done if last else steps
     return max(done, min(steps, math.ceil(done * time_limit / seconds)))
+
+
+@contextlib.contextmanager
+def save_before_stop(stopping: bool):
+    """If ``stopping``: within the block, a Ctrl-C, SIGTERM or SIGHUP is only answered
+    (the main thread's), so that a stopped run's checkpoint is written whole."""
+    numbers = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
+    main = threading.current_thread() is threading.main_thread()
+    before = {number: signal.getsignal(number) for number in numbers
+              if stopping and main and signal.getsignal(number) is not signal.SIG_IGN}
+    for number in before:
+        signal.signal(number, lambda signum, frame: print(
+            "stopping: once the checkpoint is written", file=sys.stderr, flush=True))
+    try:
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler or signal.SIG_DFL)
 
 
 def stopped(signum: int, step: int, checkpoint_dir, writer: CheckpointWriter) -> None:

@@ -688,16 +688,17 @@ def test_a_disk_that_refuses_a_checkpoint_is_named_in_one_line(tmp_path):
     assert result.stdout.split() == ["OSError", "27", str(tmp_path / "small.pt")], result.stderr
 
 
-def test_a_run_stopped_off_its_cadence_and_resumed_ends_with_the_files_of_a_run_never_stopped(tmp_path):
+@pytest.mark.parametrize("every", [2, 0])  # 0: a checkpoint at the end only, the copy task's default
+def test_a_run_stopped_off_its_cadence_and_resumed_ends_with_the_files_of_a_run_never_stopped(tmp_path, every):
     """A stopped run's checkpoint (step 3 of a run that writes every 2) used to count among the kept ones: it pushed a
     regular checkpoint out, and was averaged at the end, so the model depended on when the run was stopped."""
-    train_tiny(tmp_path / "straight", 4, keep_last=2, every=2)
-    train_tiny(tmp_path / "stopped", 3, keep_last=2, every=2)  # ends off its cadence, as a stopped run does
-    assert [p.name for p in list_checkpoints(tmp_path / "stopped")] == ["step_00000002.pt", "step_00000003.pt"]
-    train_tiny(tmp_path / "stopped", 4, resume=True, keep_last=2, every=2)
+    train_tiny(tmp_path / "straight", 4, keep_last=2, every=every)
+    train_tiny(tmp_path / "stopped", 3, keep_last=2, every=every)  # ends off its cadence, as a stopped run does
+    assert list_checkpoints(tmp_path / "stopped")[-1].name == "step_00000003.pt"
+    train_tiny(tmp_path / "stopped", 4, resume=True, keep_last=2, every=every)
     names = [p.name for p in list_checkpoints(tmp_path / "stopped")]
-    assert names == [p.name for p in list_checkpoints(tmp_path / "straight")] == ["step_00000002.pt",
-                                                                                 "step_00000004.pt"]
+    expected = ["step_00000002.pt", "step_00000004.pt"] if every else ["step_00000004.pt"]
+    assert names == [p.name for p in list_checkpoints(tmp_path / "straight")] == expected
 
 
 def test_rotation_drops_an_off_cadence_checkpoint_only_once_a_newer_one_is_intact(tmp_path):
@@ -705,7 +706,18 @@ def test_rotation_drops_an_off_cadence_checkpoint_only_once_a_newer_one_is_intac
     for step in (2, 3, 4, 5, 6):
         save_checkpoint(checkpoint_path(tmp_path, step), model=model, step=step)
     checkpoint_path(tmp_path, 6).write_bytes(b"damaged")  # the newest is not intact: 5 is the one to resume from
-    assert rotate_checkpoints(tmp_path, 0, every=2) == [checkpoint_path(tmp_path, 3)]  # 0 keeps every regular one
+    assert rotate_checkpoints(tmp_path, 0, every=2) == []  # 0 keeps all, a stopped run's too
+    assert rotate_checkpoints(tmp_path, 5, every=2) == [checkpoint_path(tmp_path, 3)]
     assert [p.name for p in list_checkpoints(tmp_path)] == [f"step_0000000{s}.pt" for s in (2, 4, 5, 6)]
     assert rotate_checkpoints(tmp_path, 1, every=2) == [checkpoint_path(tmp_path, s) for s in (2, 4)]
     assert rotate_checkpoints(tmp_path, 1) == []  # without the cadence, as before
+
+
+def test_a_copy_task_run_resumed_with_another_cadence_is_refused(tmp_path):
+    """Rotation drops the checkpoints off a run's cadence once a newer one is intact: a resume with another
+    checkpoint_every would have deleted the earlier part's regular checkpoints. The copy task compares it now, as the
+    translation task does."""
+    train_copy_task(steps=4, checkpoint_dir=tmp_path, checkpoint_every=2, **COPY)
+    with pytest.raises(ValueError, match=r"checkpoint_every \(checkpoint 2, this run 3\)"):
+        train_copy_task(steps=6, checkpoint_dir=tmp_path, checkpoint_every=3, resume=True, **COPY)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002.pt", "step_00000004.pt"]

@@ -406,27 +406,40 @@ import sys, time
 from annotated_transformer import cli, trainer
 real_write, real_steps = trainer.write_state, trainer.accumulate_gradients
 
+real_copy = trainer.cpu_copy
+
 def slow_write(path, state):  # a large checkpoint on a slow disk
     print("writing", file=sys.stderr, flush=True)
     time.sleep(2)
     return real_write(path, state)
+
+def slow_copy(value):  # a large model copied from a GPU, before the writer's thread
+    if isinstance(value, dict) and "rng" in value:  # the state (not its parts: recursive)
+        print("writing", file=sys.stderr, flush=True)
+        time.sleep(2)
+    return real_copy(value)
 
 def first_step(*args, **kwargs):
     trainer.accumulate_gradients = real_steps
     print("training", file=sys.stderr, flush=True)
     return real_steps(*args, **kwargs)
 
-trainer.write_state, trainer.accumulate_gradients = slow_write, first_step
-sys.exit(cli.main(sys.argv[1:]))
+trainer.accumulate_gradients = first_step
+if sys.argv[1] == "write":
+    trainer.write_state = slow_write
+else:
+    trainer.cpu_copy = slow_copy
+sys.exit(cli.main(sys.argv[2:]))
 """
 
 
-def test_a_second_signal_during_the_interrupt_checkpoint_waits_for_its_write(tmp_path) -> None:
+@pytest.mark.parametrize("slow", ["write", "copy"])
+def test_a_second_signal_during_the_interrupt_checkpoint_waits_for_its_write(tmp_path, slow) -> None:
     """SIGTERM, then SIGTERM again while the stopped run writes its checkpoint: the run used to abort from inside
     PyTorch (exit 134, 'terminate called without an active exception'), leaving a temporary file and no checkpoint.
     The write now ends first; the message names the checkpoint, which reads back, and no temporary file is left."""
     process = subprocess.Popen(
-        [sys.executable, "-c", SLOW_WRITE, "train", "--profile", "quick", "--d-model", "16", "--layers", "1",
+        [sys.executable, "-c", SLOW_WRITE, slow, "train", "--profile", "quick", "--d-model", "16", "--layers", "1",
          "--device", "cpu", "--checkpoint-dir", "run", "--checkpoint-every", "100000", "--steps", "100000",
          "--no-progress"],
         cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -443,6 +456,7 @@ def test_a_second_signal_during_the_interrupt_checkpoint_waits_for_its_write(tmp
     text = stderr.decode()
     assert process.returncode == 143, text
     assert "Traceback" not in text and "terminate called" not in text
+    assert slow == "write" or "stopping: once the checkpoint is written" in text  # the second signal is answered
     stopped = re.search(r"its checkpoint is (\S+) \(resume from it\)", text)
     assert stopped, text
     assert load_checkpoint(tmp_path / stopped[1])["step"] >= 1

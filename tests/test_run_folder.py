@@ -301,7 +301,7 @@ def test_the_next_run_removes_every_leftover_of_its_writes_and_nothing_else(tmp_
     for name in USERS:
         (tmp_path / name).write_text("a user's file")
     with pytest.warns(UserWarning, match=rf"removed {len(killed)} temporary file\(s\) of killed writes") as caught:
-        train_copy_task(steps=4, checkpoint_dir=tmp_path, resume=resume, **COPY)
+        train_copy_task(steps=4, checkpoint_dir=tmp_path, checkpoint_every=1, resume=resume, **COPY)
     said = next(str(w.message) for w in caught if "removed" in str(w.message))
     assert sorted(said.split(f"{tmp_path}: ")[1].split(", ")) == sorted(path.name for path in killed)
     assert not any(path.exists() for path in killed) and all((tmp_path / name).exists() for name in USERS)
@@ -315,7 +315,7 @@ def test_without_flock_a_run_leaves_the_temporary_files_it_cannot_know_are_dead(
     writing = leftover(tmp_path, "step_00000003.pt")  # perhaps a live run's
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="removed")  # no "removed ... temporary file(s)"
-        train_copy_task(steps=4, checkpoint_dir=tmp_path, resume=True, **COPY)
+        train_copy_task(steps=4, checkpoint_dir=tmp_path, checkpoint_every=1, resume=True, **COPY)
     assert writing.exists() and not (tmp_path / ".run.lock").exists()
 
 

@@ -295,12 +295,12 @@ def test_a_copy_task_folder_resumed_as_a_translation_is_refused_before_any_write
     torch.set_num_threads(1)
     folder = tmp_path / "copy"
     assert main(["train", "--profile", "quick", "--steps", "4", "--checkpoint-dir", str(folder), "--device", "cpu",
-                 "--no-progress"]) == 0
+                 "--no-progress", "--checkpoint-every", "2"]) == 0
     before = untouched(folder)
     status = main(["train", "--task", "multi30k", "--profile", "quick", "--steps", "8", "--resume",
                    "--checkpoint-dir", str(folder), "--device", "cpu", "--no-progress", "--no-norm-first",
                    "--d-model", "32", "--d-ff", "64", "--dropout", "0.1", "--attention-dropout", "0.1",
                    "--activation-dropout", "0.1", "--factor", "0.5", "--smoothing", "0", "--warmup", "100",
-                   "--train-limit", "2000", "--valid-limit", "30"])
+                   "--train-limit", "2000", "--valid-limit", "30", "--checkpoint-every", "2"])
     assert status != 0 and "another model configuration" in capsys.readouterr().err
     assert untouched(folder) == before and not (folder / "tokenizer.model").exists()
