@@ -205,6 +205,8 @@ def load_checkpoint(
     path: str | os.PathLike, map_location: torch.device | str | None = "cpu"
 ) -> dict:
     """Read (``weights_only``) and verify a checkpoint; a fault: one CheckpointError."""
+    if isinstance(map_location, (str, torch.device)):  # a bad one is not a bad file
+        map_location = get_device(map_location)
     path = Path(path)
     if not path.is_file():  # a run's folder: name a file that it holds
         inside = ([path / "average.pt"] if (path / "average.pt").is_file()

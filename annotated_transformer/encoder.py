@@ -55,16 +55,19 @@ def stack(
     pre-norm, else identity.
 
     Raises ValueError unless ``N`` is a positive integer and ``layer.norm_first`` equals
-    ``norm_first``.
+    ``norm_first`` (TypeError: not a bool).
     """
     if isinstance(N, bool) or not isinstance(N, int) or N < 1:
         raise ValueError(
             f"N (the number of layers) must be a positive integer, got {N!r}"
         )
-    if layer.norm_first != bool(norm_first):
+    if not isinstance(norm_first, bool):  # "no" is a true string: a pre-norm stack
+        raise TypeError(f"norm_first must be True or False, got "
+                        f"{type(norm_first).__name__} {norm_first!r}")
+    if layer.norm_first != norm_first:
         raise ValueError(
             f"the layer has norm_first={layer.norm_first} but the stack "
-            f"norm_first={bool(norm_first)}; they must agree (only a pre-norm stack "
+            f"norm_first={norm_first}; they must agree (only a pre-norm stack "
             "ends with a LayerNorm)"
         )
     return clones(layer, N), LayerNorm(layer.size) if norm_first else nn.Identity()

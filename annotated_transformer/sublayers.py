@@ -57,6 +57,9 @@ class SublayerConnection(nn.Module):
 
     def __init__(self, size: int, dropout: float, norm_first: bool = False):
         super().__init__()
+        if not isinstance(norm_first, bool):  # "False" is a true string: a pre-norm
+            raise TypeError(f"norm_first must be True or False, got "
+                            f"{type(norm_first).__name__} {norm_first!r}")
         self.norm = LayerNorm(size)
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first

@@ -276,7 +276,8 @@ def train(
         batches, steps=steps, accumulation_steps=accumulation_steps,
         checkpoint_every=checkpoint_every, resume=resume, checkpoint_dir=checkpoint_dir,
         eval_every=eval_every, time_limit=time_limit, keep_last=keep_last,
-        clip_norm=clip_norm, extra=extra)
+        clip_norm=clip_norm, extra=extra, model=model, optimizer=optimizer,
+        scheduler=scheduler)
     scaler = precision.grad_scaler()
     start, history, seconds_before = 0, None, 0.0
     if resume:
@@ -349,9 +350,19 @@ HISTORY = ("step", "loss", "nll", "lr", "tokens", "seconds")
 
 def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resume,
                    checkpoint_dir, eval_every=0, time_limit=None, keep_last=5,
-                   clip_norm=None, extra=None):
+                   clip_norm=None, extra=None, model=None, optimizer=None,
+                   scheduler=None):
     """Refuse impossible arguments of ``train``, then a folder that cannot take its
     checkpoints (made only then); return micro-batch ``i`` as f(i)."""
+    if optimizer is not None and model is not None:  # else silently wrong, or no-op
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if any(p.requires_grad and id(p) not in held for p in model.parameters()):
+            raise ValueError("the optimizer does not hold all of the model's trainable "
+                             "parameters: make it from this model (make_optimizer)")
+    if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not (
+            optimizer):
+        raise ValueError("the scheduler drives another optimizer than the one given: "
+                         "make it from that one (make_scheduler)")
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
     if time_limit is not None and not (  # a bool is no number of seconds; not nan

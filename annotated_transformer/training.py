@@ -250,12 +250,14 @@ def rate(step: int, model_size: int, factor: float = 1.0, warmup: int = 4000, *,
     straight line from the same peak to zero one step after step ``total``, the run's
     last step, which still learns.
     """
-    if step < 0:
+    if not step >= 0:  # NaN too
         raise ValueError(f"step must be >= 0, got {step}")
-    if model_size <= 0 or warmup <= 0:
+    if not (model_size > 0 and warmup > 0):
         raise ValueError(
             f"model_size and warmup must be positive, got {model_size} and {warmup}"
         )
+    if not 0 < factor < math.inf:  # a negative rate climbs the loss, silently
+        raise ValueError(f"factor must be positive and finite, got {factor}")
     if total is not None and total <= warmup:
         raise ValueError(f"total ({total}) must be above warmup ({warmup})")
     step = max(step, 1)

@@ -108,3 +108,85 @@ def test_the_benchmark_refuses_a_folder_as_its_record_and_empty_batches_before_i
     for sizes, error in [((0,), ValueError), ((-3,), ValueError), ((2.0,), TypeError)]:
         with pytest.raises(error, match="each of batch_sizes must be"):
             run_benchmarks("cpu", smoke=True, sections=("decoding",), batch_sizes=sizes)
+
+
+# --- the library read as an adversarial user: arguments taken silently, or errors that named something else ---------
+
+def test_train_refuses_an_optimizer_or_a_schedule_of_another_model():
+    """The optimiser of another model trained nothing (a normal history, the weights unchanged); a schedule of another
+    optimiser left the run at make_optimizer's placeholder rate of 1.0."""
+    import torch
+
+    from annotated_transformer.copy_task import copy_batches
+    from annotated_transformer.trainer import train
+    from annotated_transformer.training import LabelSmoothing, make_optimizer, make_scheduler
+
+    model, other = (make_model(11, 11, N=1, d_model=16, d_ff=32, h=2) for _ in range(2))
+    batches = list(copy_batches(11, 8, 5, 2, generator=torch.Generator().manual_seed(0)))
+    common = dict(steps=2, loss_fn=LabelSmoothing(11, 0), progress=False)
+    foreign = make_optimizer(other)
+    with pytest.raises(ValueError, match="the optimizer does not hold all of the model's trainable parameters"):
+        train(model, batches, optimizer=foreign, scheduler=make_scheduler(foreign, 16, warmup=10), **common)
+    with pytest.raises(ValueError, match="the scheduler drives another optimizer"):
+        train(model, batches, optimizer=make_optimizer(model), scheduler=make_scheduler(foreign, 16, warmup=10),
+              **common)
+    for parameter in model.encoder.parameters():  # frozen parameters need not be in the optimiser
+        parameter.requires_grad_(False)
+    trainable = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    assert len(train(model, batches, optimizer=trainable, **common)["loss"]) == 2
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((10, 512), dict(factor=-1.0), "factor must be positive and finite, got -1.0"),
+    ((10, 512), dict(factor=float("nan")), "factor must be positive and finite, got nan"),
+    ((10, 512), dict(factor=float("inf")), "factor must be positive and finite, got inf"),
+    ((float("nan"), 512), {}, "step must be >= 0, got nan"),
+    ((10, float("nan")), {}, "model_size and warmup must be positive"),
+])
+def test_the_rate_refuses_numbers_that_would_train_silently_wrong(args, kwargs, match):
+    """factor=-1 trained with negative rates (gradient ascent, the loss climbing from 2.6 to 6.2); NaN gave NaN rates."""
+    import torch
+
+    from annotated_transformer.training import make_optimizer, make_scheduler, rate
+
+    with pytest.raises(ValueError, match=match):
+        rate(*args, **kwargs)
+    if args[0] == 10 and args[1] == 512:
+        with pytest.raises(ValueError, match=match):
+            make_scheduler(make_optimizer(torch.nn.Linear(2, 2)), 512, **kwargs)
+
+
+def test_the_layers_refuse_a_norm_first_that_is_not_a_bool():
+    """'False' is a true string: EncoderLayer(..., 'False') built a pre-norm layer, Encoder(..., norm_first='no') a
+    final LayerNorm. make_model refused it already; the layers did not."""
+    from annotated_transformer.attention import MultiHeadedAttention
+    from annotated_transformer.encoder import Encoder, EncoderLayer
+    from annotated_transformer.feed_forward import PositionwiseFeedForward
+    from annotated_transformer.sublayers import SublayerConnection
+
+    with pytest.raises(TypeError, match="norm_first must be True or False, got str 'False'"):
+        SublayerConnection(16, 0.1, "False")
+    with pytest.raises(TypeError, match="norm_first must be True or False, got str 'False'"):
+        EncoderLayer(16, MultiHeadedAttention(2, 16, 0.0), PositionwiseFeedForward(16, 32, 0.0), 0.0, "False")
+    layer = EncoderLayer(16, MultiHeadedAttention(2, 16, 0.0), PositionwiseFeedForward(16, 32, 0.0), 0.0, True)
+    with pytest.raises(TypeError, match="norm_first must be True or False, got str 'no'"):
+        Encoder(layer, 1, norm_first="no")
+
+
+def test_a_bad_map_location_is_named_and_not_taken_for_damaged_checkpoints(tmp_path):
+    """A wrong device for map_location was reported as 'truncated, damaged or not a PyTorch file', and through
+    load_latest_checkpoint as 'none of the 2 checkpoint(s) is intact': a user could delete good checkpoints."""
+    import torch
+
+    from annotated_transformer.checkpoints import load_checkpoint, save_checkpoint
+    from annotated_transformer.folders import load_latest_checkpoint
+
+    model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    for step in (1, 2):
+        save_checkpoint(tmp_path / f"step_{step:08d}.pt", model=model, step=step)
+    with pytest.raises(ValueError, match="must be a PyTorch device such as 'cpu'.*got 'gpu'"):
+        load_checkpoint(tmp_path / "step_00000002.pt", map_location="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available on this machine"):
+            load_latest_checkpoint(tmp_path, map_location="cuda")
+    assert load_latest_checkpoint(tmp_path, map_location=torch.device("cpu"))[1]["step"] == 2
