@@ -133,10 +133,13 @@ def save_checkpoint(
 def checkpoint_state(*, model: nn.Module, optimizer=None, scheduler=None,
                      step: int = 0, config: dict | None = None,
                      extra: dict | None = None, rng: list | None = None) -> dict:
-    """What ``save_checkpoint`` writes but its checksum (live tensors, not copies)."""
-    return {
+    """What ``save_checkpoint`` writes but its checksum (live tensors, not copies);
+    refused (ValueError): what ``load_checkpoint`` would refuse to read back."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")  # not 2.7 -> 2
+    state = {
         "format": CHECKPOINT_FORMAT,
-        "step": int(step),
+        "step": step,
         "config": dict((getattr(model, "config", None) if config is None else config)
                        or {}),
         "model": model.state_dict(),
@@ -145,6 +148,9 @@ def checkpoint_state(*, model: nn.Module, optimizer=None, scheduler=None,
         "rng": rng if rng is not None else [rng_state()],
         "extra": dict(extra) if extra else {},
     }
+    if problem := structure_problem(state):  # written, it could never be loaded
+        raise ValueError(f"this checkpoint would not load again: {problem}")
+    return state
 
 
 def write_state(path: str | os.PathLike, state: dict) -> Path:
@@ -308,7 +314,11 @@ def model_from_checkpoint(
         raise ValueError(
             f"{path} holds no model configuration, so the model cannot be rebuilt"
         )
-    model = make_model(**checkpoint["config"])
+    try:
+        model = make_model(**checkpoint["config"])
+    except TypeError as error:  # a setting missing, or of another type
+        raise CheckpointError(f"{path}: its model configuration does not make a model "
+                              f"({error})") from None
     load_model_state(model, checkpoint)
     return model.to(get_device(device)).eval(), checkpoint
 
@@ -385,6 +395,11 @@ def average_checkpoints(paths: Sequence) -> dict:
         if set(last["model"]) != set(sums):
             raise ValueError(f"{path} has other parameter names than {paths[0]}")
         for key, value in last["model"].items():
+            ours = first["model"][key]  # else broadcast, or the last file's dtype
+            if (value.shape, value.dtype) != (ours.shape, ours.dtype):
+                raise ValueError(
+                    f"{path}: {key} is {value.dtype} of shape {tuple(value.shape)}, "
+                    f"in {paths[0]} {ours.dtype} of shape {tuple(ours.shape)}")
             sums[key] = (
                 sums[key] + value.double() if value.is_floating_point() else value
             )

@@ -156,6 +156,9 @@ def train_copy_task(
     config, ``overrides`` replace some of its settings. The other arguments are those of
     :func:`train`.
     """
+    if config is not None and profile is not None:  # else the profile goes unread
+        raise ValueError("give a config or a profile, not both: the config holds "
+                         "every setting")
     config = copy_config(profile, **overrides) if config is None else replace(
         config, **{k: v for k, v in overrides.items() if v is not None})
     device = init_distributed(device)

@@ -179,6 +179,8 @@ def fetch(
         )
     if not url.endswith("/"):
         raise ValueError(f"url must be a folder URL ending in '/', got {url!r}")
+    if directory is not None and not str(directory):  # else the variable, or a download
+        raise ValueError("directory must name a folder, got ''")
     local = directory if directory is not None else os.environ.get(DATA_ENV)
     if local:
         path = Path(local) / name

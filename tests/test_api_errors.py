@@ -190,3 +190,48 @@ def test_a_bad_map_location_is_named_and_not_taken_for_damaged_checkpoints(tmp_p
         with pytest.raises(ValueError, match="CUDA is not available on this machine"):
             load_latest_checkpoint(tmp_path, map_location="cuda")
     assert load_latest_checkpoint(tmp_path, map_location=torch.device("cpu"))[1]["step"] == 2
+
+
+def test_save_checkpoint_refuses_what_load_checkpoint_would_refuse(tmp_path):
+    """A config key that make_model does not know was written, and the file could never be loaded again; step=2.7 was
+    stored as 2, and a string, a bool or a negative step were taken."""
+    from annotated_transformer.checkpoints import CheckpointError, model_from_checkpoint, save_checkpoint
+
+    model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    with pytest.raises(ValueError, match="this checkpoint would not load again: .*make_model does not know.*: lr"):
+        save_checkpoint(tmp_path / "a.pt", model=model, config={**model.config, "lr": 0.5})
+    for step in (2.7, "7", True, -5):
+        with pytest.raises(ValueError, match="step must be an integer >= 0"):
+            save_checkpoint(tmp_path / "b.pt", model=model, step=step)
+    assert not list(tmp_path.iterdir())  # nothing written
+    partial = save_checkpoint(tmp_path / "c.pt", model=model, config={"N": 1})
+    with pytest.raises(CheckpointError, match="c.pt: its model configuration does not make a model"):
+        model_from_checkpoint(partial)
+
+
+def test_average_checkpoints_refuses_tensors_of_other_shapes_or_dtypes(tmp_path):
+    """Without a configuration to compare, a (4, 1) and a (1, 1) weight were broadcast into a 'mean'; other shapes failed
+    inside PyTorch; the result took the last file's dtype."""
+    import torch
+
+    from annotated_transformer.checkpoints import average_checkpoints, save_checkpoint
+
+    wide = save_checkpoint(tmp_path / "wide.pt", model=torch.nn.Linear(1, 4))
+    narrow = save_checkpoint(tmp_path / "narrow.pt", model=torch.nn.Linear(1, 1))
+    with pytest.raises(ValueError, match=r"narrow.pt: weight is torch.float32 of shape \(1, 1\), in .*wide.pt"):
+        average_checkpoints([wide, narrow])
+    half = save_checkpoint(tmp_path / "half.pt", model=torch.nn.Linear(1, 4).half())
+    with pytest.raises(ValueError, match="half.pt: weight is torch.float16"):
+        average_checkpoints([wide, half])
+
+
+def test_arguments_that_went_unread_are_refused(tmp_path):
+    """train_copy_task(config, profile=...) never read the profile; load_split(directory='') skipped the argument and
+    the data variable, and downloaded."""
+    from annotated_transformer.copy_task import CopyConfig, train_copy_task
+    from annotated_transformer.data import load_split
+
+    with pytest.raises(ValueError, match="give a config or a profile, not both"):
+        train_copy_task(CopyConfig(steps=1), profile="no-such-profile", progress=False)
+    with pytest.raises(ValueError, match="directory must name a folder, got ''"):
+        load_split("valid", directory="")
