@@ -121,8 +121,9 @@ def train_tokenizer(
                and isinstance(p[1], str) for p in pairs):
         raise TypeError("pairs must be (source, target) pairs of str")
     lines = [side for pair in pairs for side in pair]
-    if not lines:
-        raise ValueError("train_tokenizer needs at least one sentence pair")
+    if not any(line.strip() for line in lines):  # else SentencePiece's INTERNAL error
+        raise ValueError("train_tokenizer needs at least one sentence with text, got "
+                         f"{len(pairs)} pair(s) of empty or blank sentences")
     text = f"threads {TRAINER_THREADS}\n" + "\n".join(lines)  # files of other counts
     key = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]  # are not reused
     folder = Path(directory) if directory is not None else cache_dir() / "tokenizers"

@@ -235,3 +235,12 @@ def test_arguments_that_went_unread_are_refused(tmp_path):
         train_copy_task(CopyConfig(steps=1), profile="no-such-profile", progress=False)
     with pytest.raises(ValueError, match="directory must name a folder, got ''"):
         load_split("valid", directory="")
+
+
+@pytest.mark.parametrize("pairs", [[], [("", "")], [("  ", " ")] * 5])
+def test_train_tokenizer_refuses_pairs_without_text(tmp_path, pairs):
+    """Empty or blank sentences reached SentencePiece, whose RuntimeError ('INTERNAL: ... all_chars_count > 0') named no
+    argument."""
+    with pytest.raises(ValueError, match="train_tokenizer needs at least one sentence with text"):
+        train_tokenizer(pairs, vocab_size=8, directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []
