@@ -536,7 +536,7 @@ def test_train_tokenizer_refuses_bad_arguments(tmp_path):
         train_tokenizer([("a", "b")], vocab_size=0, directory=tmp_path)
     with pytest.raises(ValueError, match="model_type"):
         train_tokenizer([("a", "b")], model_type="wordpiece", directory=tmp_path)
-    with pytest.raises(ValueError, match="at least one sentence pair"):
+    with pytest.raises(ValueError, match="at least one sentence with text"):
         train_tokenizer([], directory=tmp_path)
     with pytest.raises(FileNotFoundError, match="no SentencePiece model"):
         load_tokenizer(tmp_path / "missing.model")
