@@ -17,6 +17,26 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from annotated_transformer.runtime import as_int, get_device
 
 
+def check_shapes(query, key, value, mask) -> None:
+    """Refuse, in one line, shapes that equation 1 cannot take (else PyTorch fails
+    inside, or d_k = 0 gives NaN): (..., T, d_k), (..., S, d_k), (..., S, d_v), and a
+    mask that broadcasts to the scores' (..., T, S)."""
+    if min(query.dim(), key.dim(), value.dim()) < 2:
+        raise ValueError("query, key and value need 2 dimensions or more (..., length, "
+                         f"features), got {query.dim()}, {key.dim()} and {value.dim()}")
+    if query.size(-1) != key.size(-1) or query.size(-1) == 0:
+        raise ValueError("query and key must have one width d_k >= 1, got "
+                         f"{query.size(-1)} and {key.size(-1)}")
+    if key.size(-2) != value.size(-2):
+        raise ValueError("key and value must have one length S, got "
+                         f"{key.size(-2)} and {value.size(-2)}")
+    scores = (query.size(-2), key.size(-2))
+    if mask is not None and any(m not in (1, n) for m, n in zip(
+            mask.shape[::-1], scores[::-1])):
+        raise ValueError(f"a mask of shape {tuple(mask.shape)} does not broadcast to "
+                         f"the scores' (..., T, S) = (..., {scores[0]}, {scores[1]})")
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -42,6 +62,7 @@ def attention(
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not tensor.is_floating_point():  # integer weights would round to 0
             raise TypeError(f"{name} must be floating point, got {tensor.dtype}")
+    check_shapes(query, key, value, mask)
     d_k, dtype = query.size(-1), query.dtype
     # 16 bits: scores and softmax in float32
     if dtype in (torch.float16, torch.bfloat16):

@@ -244,3 +244,22 @@ def test_train_tokenizer_refuses_pairs_without_text(tmp_path, pairs):
     with pytest.raises(ValueError, match="train_tokenizer needs at least one sentence with text"):
         train_tokenizer(pairs, vocab_size=8, directory=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("shapes, mask, match", [
+    (((4,), (4,), (4,)), None, "query, key and value need 2 dimensions or more"),
+    (((1, 2, 3, 4), (1, 2, 3, 5), (1, 2, 3, 4)), None, "query and key must have one width d_k >= 1, got 4 and 5"),
+    (((1, 3, 0), (1, 3, 0), (1, 3, 2)), None, "one width d_k >= 1, got 0 and 0"),
+    (((1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 7, 4)), None, "key and value must have one length S, got 3 and 7"),
+    (((1, 2, 3, 4),) * 3, (5, 5), r"a mask of shape \(5, 5\) does not broadcast to the scores' \(\.\.\., T, S\)"),
+])
+def test_attention_names_shapes_that_equation_1_cannot_take(shapes, mask, match):
+    """The public attention checked only dtypes: PyTorch's RuntimeError or IndexError came from inside, and d_k = 0
+    returned NaN."""
+    import torch
+
+    from annotated_transformer.attention import attention
+
+    query, key, value = (torch.randn(*shape) for shape in shapes)
+    with pytest.raises(ValueError, match=match):
+        attention(query, key, value, None if mask is None else torch.ones(*mask, dtype=torch.bool))
