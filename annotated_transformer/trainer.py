@@ -500,9 +500,8 @@ def save_before_stop(stopping: bool):
 
 def stopped(signum: int, step: int, checkpoint_dir, writer: CheckpointWriter) -> None:
     """Stop a run that a signal interrupted after ``step``, once ``writer`` has written
-    its checkpoint (through a second signal too), naming the checkpoint."""
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C again: the write goes on
-        writer.wait()
+    its checkpoint, naming it (``train`` calls it within ``save_before_stop``)."""
+    writer.wait()
     path = checkpoint_dir is not None and checkpoint_path(checkpoint_dir, step)
     saved = (f"; its checkpoint is {path} (resume from it)" if path
              else " (no checkpoint_dir: none saved)")
