@@ -185,11 +185,7 @@ class LabelSmoothing(nn.Module):
         return dist
 
     def forward(self, log_probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if log_probs.dim() != 2 or log_probs.size(1) != self.size:
-            raise ValueError(
-                f"log_probs must have shape (N, {self.size}), got "
-                f"{tuple(log_probs.shape)}"
-            )
+        check_log_probs(log_probs, self.size)
         check_target(target, self.size, self.padding_idx)
         if target.shape != log_probs.shape[:1]:
             raise ValueError(
@@ -238,6 +234,23 @@ def check_target(target, size: int, padding_idx: int) -> None:
                 f"target holds token id {low if low < 0 else high}; ids must lie in "
                 f"0..{size - 1} (size {size}, padding id {padding_idx} included)"
             )
+
+
+def check_log_probs(log_probs, size: int) -> None:
+    """Refuse what cannot be log-probabilities over ``size`` tokens: not a floating
+    tensor (TypeError), not of shape (N, size), or, in eager mode on the CPU, holding
+    a value above 0, as probabilities and logits do (ValueError)."""
+    if not isinstance(log_probs, torch.Tensor) or not log_probs.is_floating_point():
+        kind = (f"dtype {log_probs.dtype}" if isinstance(log_probs, torch.Tensor)
+                else type(log_probs).__name__)
+        raise TypeError(f"log_probs must be a floating-point tensor, got {kind}")
+    if log_probs.dim() != 2 or log_probs.size(1) != size:
+        raise ValueError(f"log_probs must have shape (N, {size}), got "
+                         f"{tuple(log_probs.shape)}")
+    eager_cpu = log_probs.device.type == "cpu" and not torch.compiler.is_compiling()
+    if eager_cpu and log_probs.numel() and (high := log_probs.detach().max()) > 0:
+        raise ValueError(f"log_probs holds {high.item():.3g} > 0: the loss takes "
+                         "log-probabilities (log_softmax), not probabilities or logits")
 
 
 def rate(step: int, model_size: int, factor: float = 1.0, warmup: int = 4000, *,

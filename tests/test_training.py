@@ -229,6 +229,20 @@ def test_label_smoothing_refuses_targets_that_are_not_integer_ids(target, kind):
         LabelSmoothing(5, 0, 0.1)(torch.randn(3, 5).log_softmax(-1), target)
 
 
+@pytest.mark.parametrize("scores, error, message", [
+    (torch.randn(3, 5).softmax(-1), ValueError, r"log_probs holds 0\.\d+ > 0: the loss takes log-probabilities"),
+    (torch.tensor([[2.0, -1, 0, 0, 0]] * 3), ValueError, r"log_probs holds 2 > 0: .*not probabilities or logits"),
+    (torch.zeros(3, 5, dtype=torch.long), TypeError, "log_probs must be a floating-point tensor, got dtype torch.int64"),
+    ([[0.0] * 5] * 3, TypeError, "log_probs must be a floating-point tensor, got list"),
+])
+def test_label_smoothing_refuses_what_cannot_be_log_probabilities(scores, error, message):
+    # probabilities and logits gave a finite, wrong loss; integers even trained (their gather works)
+    with pytest.raises(error, match=message):
+        LabelSmoothing(5, 0, 0.1)(scores, torch.tensor([1, 2, 0]))
+    log_probs = torch.tensor([[0.0, -math.inf, -math.inf, -math.inf, -math.inf]] * 3)
+    assert LabelSmoothing(5, 0, 0.0)(log_probs, torch.tensor([0, 0, 0])).item() == 0  # 0 itself is a log-probability
+
+
 def test_label_smoothing_accepts_padding_and_any_integer_dtype():
     crit = LabelSmoothing(5, 0, 0.1)
     log_probs = torch.randn(4, 5, dtype=torch.float64).log_softmax(-1)
