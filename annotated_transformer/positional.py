@@ -47,7 +47,9 @@ def check_positions(x: torch.Tensor, offset: int, d_model: int, max_len: int) ->
         )
     if isinstance(offset, torch.Tensor) and offset.dim() == 0 and offset.dtype in (
             torch.int64, torch.int32):
-        return  # a position tensor: comparing it with max_len would wait for its value
+        if offset.device.type != "cpu" or torch.compiler.is_compiling():
+            return  # reading a position tensor would wait for it, or cut the graph
+        offset = int(offset)  # in eager mode on the CPU, reading it is free
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(
             "offset must be a non-negative int (the position of x[:, 0]), got "

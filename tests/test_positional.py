@@ -100,6 +100,14 @@ def test_too_long_sequences_raise_a_clear_error(module_class):
         module(torch.zeros(1, 21, 16))
     with pytest.raises(ValueError, match="max_len=20"):
         module(torch.zeros(1, 5, 16), offset=16)
+    # a position tensor (the compiled decoding step's) is read and checked in eager mode on the CPU; past the
+    # table it had stopped in index_select with "IndexError: index out of range in self"
+    x = torch.zeros(1, 5, 16)
+    assert torch.equal(module(x, offset=torch.tensor(15)), module(x, offset=15))
+    with pytest.raises(ValueError, match=r"positions 16\.\.20 exceed the positional table \(max_len=20\)"):
+        module(x, offset=torch.tensor(16))
+    with pytest.raises(ValueError, match="offset must be a non-negative int .* got -1"):
+        module(x, offset=torch.tensor(-1, dtype=torch.int32))
 
 
 def test_odd_d_model_raises():
