@@ -8,7 +8,7 @@ import math
 import numbers
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -236,6 +236,7 @@ def stop_finished_sentences(
                 done[b] = True
 
 
+@runtime_checkable
 class Tokenizer(Protocol):
     """What decoding needs to know about a task's vocabulary: its special ids and the
     way to and from text."""
@@ -253,6 +254,15 @@ class Tokenizer(Protocol):
     def max_len(self, source_length: int) -> int:
         """The longest output, start symbol included, for a source of ``source_length``
         ids."""
+
+
+def check_tokenizer(tokenizer) -> None:
+    """Refuse (TypeError) a ``tokenizer`` that lacks a member of ``Tokenizer``."""
+    if not isinstance(tokenizer, Tokenizer):
+        kind = type(tokenizer).__name__
+        raise TypeError(f"tokenizer must have pad, start, end, encode, decode and "
+                        f"max_len (a Tokenizer), got {kind}; wrap a SentencePiece "
+                        "model in annotated_transformer.data.SentencePieces")
 
 
 class TokenIds:
@@ -379,6 +389,7 @@ def translate_ids(
             f"beam_size and batch_size must be >= 1, got {beam_size} and {batch_size}"
         )
     length_penalty_factor(1, length_penalty, penalty)  # greedy too: no bad one passes
+    check_tokenizer(tokenizer)
     if isinstance(sources, (str, bytes)):
         raise TypeError(
             "sources must be a list of sources (each a list of token ids), got one "
@@ -439,6 +450,7 @@ def translate(
 ) -> list[str]:
     """Translate sentences (strings) with ``translate_ids``; a list of strings in the
     order of ``sentences``."""
+    check_tokenizer(tokenizer)
     if isinstance(sentences, (str, bytes)):
         raise TypeError(
             "sentences must be a list of sentences (strings), got one string: pass "
