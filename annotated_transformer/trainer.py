@@ -66,6 +66,10 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
     ``precision``; a ``scaler`` (fp16) scales the loss.
     """
     rank, world = distributed_context()
+    wrong = [type(batch).__name__ for batch in group if not isinstance(batch, Batch)]
+    if wrong:  # a (src, tgt) pair, say
+        raise TypeError(f"batches must give Batch objects (Batch(src, tgt)), got "
+                        f"{wrong[0]}")
     total_tokens = sum(batch.ntokens for batch in group)
     if total_tokens == 0:
         raise ValueError("the micro-batches of a step hold no target tokens")

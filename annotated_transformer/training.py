@@ -24,6 +24,10 @@ class Batch:
     def __init__(
         self, src: torch.Tensor, tgt: torch.Tensor | None = None, pad: int = 0
     ):
+        for name, ids in (("src", src), ("tgt", tgt)):  # a list, say
+            if ids is not None and not isinstance(ids, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor of token ids, got "
+                                f"{type(ids).__name__}: torch.tensor(...) makes one")
         if src.dim() != 2:
             raise ValueError(
                 f"src must have shape (batch, length), got {tuple(src.shape)}"

@@ -20,6 +20,7 @@ from annotated_transformer.translation import (
     validation_loss,
 )
 from annotated_transformer.model import make_model
+from annotated_transformer import evaluate_bleu, translate
 
 
 def made_up_pairs(n=300, seed=0):
@@ -55,6 +56,14 @@ def test_the_translators_tokenizer_works_where_its_processor_does(tmp_path):
         collate([])
     with pytest.raises(ValueError, match="examples is empty: there is no loss to measure"):
         validation_loss(model, [])  # max() of an empty sequence, or a division by zero
+    # the bare processor encodes and decodes, but has no pad, start, end or max_len: an AttributeError had come
+    # from deep inside the decoding, or (encode_pairs took it) from the middle of evaluate_bleu
+    for call in (lambda: translate(model, processor, ["Ein Hund läuft"]),
+                 lambda: evaluate_bleu(model, processor, pairs[:2])):
+        with pytest.raises(TypeError, match=r"tokenizer must have pad, start, end, encode, decode and max_len \(a "
+                                            r"Tokenizer\), got SentencePieceProcessor; wrap a SentencePiece model"):
+            call()
+    assert len(translate(model, tokenizer, ["Ein Hund läuft"], beam_size=1, max_len=3)) == 1
 
 
 def test_bleu_and_its_bootstrap_refuse_what_they_would_miscount():
@@ -111,6 +120,27 @@ def test_the_benchmark_refuses_a_folder_as_its_record_and_empty_batches_before_i
 
 
 # --- the library read as an adversarial user: arguments taken silently, or errors that named something else ---------
+
+def test_train_and_batch_refuse_pairs_and_lists_in_one_line(tmp_path):
+    """A list of (src, tgt) pairs, or a Batch of Python lists, stopped with AttributeError ('tuple' object has no
+    attribute 'ntokens'; 'list' object has no attribute 'dim')."""
+    import torch
+
+    from annotated_transformer.trainer import train
+    from annotated_transformer.training import Batch, LabelSmoothing, make_optimizer
+
+    model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    src, tgt = torch.randint(2, 11, (2, 5)), torch.randint(2, 11, (2, 6))
+    common = dict(steps=1, optimizer=make_optimizer(model), loss_fn=LabelSmoothing(11, 0), progress=False)
+    for batches in ([(src, tgt)], lambda index: (src, tgt)):
+        with pytest.raises(TypeError, match=r"batches must give Batch objects \(Batch\(src, tgt\)\), got tuple"):
+            train(model, batches, checkpoint_dir=tmp_path / "run", **common)
+        assert list((tmp_path / "run").iterdir()) == []  # no checkpoint of a step that did not run
+    for args, name in [(([[2, 3]], tgt), "src"), ((src, [[1, 2, 3], [1, 4, 3]]), "tgt")]:
+        with pytest.raises(TypeError, match=f"{name} must be a tensor of token ids, got list: torch.tensor"):
+            Batch(*args)
+    assert len(train(model, [Batch(src, tgt)], **common)["loss"]) == 1
+
 
 def test_train_refuses_an_optimizer_or_a_schedule_of_another_model():
     """The optimiser of another model trained nothing (a normal history, the weights unchanged); a schedule of another
