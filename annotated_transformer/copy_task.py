@@ -63,6 +63,9 @@ def copy_batches(
 def label_accuracy(model: nn.Module, batch: Batch) -> float:
     """The fraction of ``batch``'s labels (not padding) that the model, fed the true
     prefix, ranks first."""
+    if batch.tgt_y is None or not (batch.tgt_y != batch.pad).any():  # else nan
+        raise ValueError("label_accuracy needs a batch with labels: Batch(src, tgt), "
+                         "its target not all padding")
     device = next(model.parameters()).device
     batch = batch.to(device)
     with evaluating(model):

@@ -14,7 +14,8 @@ import warnings
 from pathlib import Path
 
 from annotated_transformer.checkpoints import (
-    VERIFIED, CheckpointError, config_difference, file_stamp, load_checkpoint,
+    VERIFIED, CheckpointError, config_difference, content_digest, file_stamp,
+    load_checkpoint,
 )
 
 
@@ -193,6 +194,25 @@ def check_run_folder(
             "resume with the same settings, or use another folder"
         )
     return folder
+
+
+def check_checkpoint_dir(checkpoint_dir, resume, extra) -> None:
+    """Refuse ``extra`` that a checkpoint cannot hold, a folder that is no folder, and a
+    run other than that of the folder's checkpoints (new, or resumed from a file
+    elsewhere: the rotation would delete both runs' files); make the folder."""
+    try:
+        content_digest(extra or {})  # every type of value that a checkpoint holds
+    except TypeError as error:
+        raise TypeError(f"extra: {error}") from None
+    if isinstance(resume, (str, os.PathLike)) and not os.path.isfile(resume):
+        load_checkpoint(resume)  # its FileNotFoundError, before the folder is made
+    folder = check_run_folder(checkpoint_dir, None, resume=resume)  # it, writable
+    elsewhere = isinstance(resume, (str, os.PathLike)) and (  # else: that run's step
+        os.path.dirname(os.path.realpath(resume)) != os.path.realpath(folder))
+    if (not resume or elsewhere) and (found := list_checkpoints(folder)):
+        raise ValueError(f"{folder} already holds checkpoints (the newest is "
+                         f"{found[-1].name}): the files of a run; resume that run "
+                         "(resume=True), or use another folder")
 
 
 fcntl = None if os.name == "nt" else __import__("fcntl")  # POSIX; Windows has none

@@ -24,11 +24,11 @@ from tqdm import tqdm
 
 from annotated_transformer.attention import attention_settings
 from annotated_transformer.checkpoints import (
-    CheckpointError, CheckpointWriter, checkpoint_state, content_digest,
-    load_checkpoint, load_model_state, rng_state, set_rng_state, write_state,
+    CheckpointError, CheckpointWriter, checkpoint_state, load_checkpoint,
+    load_model_state, rng_state, set_rng_state, write_state,
 )
 from annotated_transformer.folders import (
-    check_run_folder, checkpoint_path, checkpoint_problem, latest_checkpoint,
+    check_checkpoint_dir, checkpoint_path, checkpoint_problem, latest_checkpoint,
     list_checkpoints, load_latest_checkpoint, rotate_checkpoints,
 )
 from annotated_transformer.runtime import (
@@ -66,10 +66,15 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
     ``precision``; a ``scaler`` (fp16) scales the loss.
     """
     rank, world = distributed_context()
-    wrong = [type(batch).__name__ for batch in group if not isinstance(batch, Batch)]
-    if wrong:  # a (src, tgt) pair, say
-        raise TypeError(f"batches must give Batch objects (Batch(src, tgt)), got "
-                        f"{wrong[0]}")
+    for batch in group:
+        if not isinstance(batch, Batch):  # a (src, tgt) pair, say
+            raise TypeError(f"batches must give Batch objects (Batch(src, tgt)), got "
+                            f"{type(batch).__name__}")
+        if batch.tgt_y is None:
+            raise ValueError("a batch to train on needs a target: Batch(src, tgt)")
+        if getattr(loss_fn, "padding_idx", batch.pad) != batch.pad:  # else miscounted
+            raise ValueError(f"the loss's padding id ({loss_fn.padding_idx}) is not "
+                             f"the batches' ({batch.pad}): make them agree")
     total_tokens = sum(batch.ntokens for batch in group)
     if total_tokens == 0:
         raise ValueError("the micro-batches of a step hold no target tokens")
@@ -78,8 +83,6 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
         if world > 1:
             batch = batch.select(shard_rows(len(batch), rank, world))
         batch = batch.to(device)
-        if batch.tgt_y is None:
-            raise ValueError("a batch to train on needs a target: Batch(src, tgt)")
         last = j == len(group) - 1
         with net.no_sync() if world > 1 and not last else contextlib.nullcontext():
             with precision.autocast():
@@ -367,8 +370,12 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
             optimizer):
         raise ValueError("the scheduler drives another optimizer than the one given: "
                          "make it from that one (make_scheduler)")
-    if not isinstance(steps, int) or steps < 0:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
+    if scheduler is None and optimizer is not None and any(
+            group["lr"] == 1.0 for group in optimizer.param_groups):
+        warnings.warn("no scheduler: the optimizer's rate stays at 1.0 (make_optimizer"
+                      "'s placeholder); pass scheduler=make_scheduler(optimizer, ...)")
     if time_limit is not None and not (  # a bool is no number of seconds; not nan
         isinstance(time_limit, (int, float)) and not isinstance(time_limit, bool)
         and time_limit >= 0
@@ -388,6 +395,9 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
         raise ValueError(
             "resume=True needs checkpoint_dir (or pass the checkpoint's path as resume)"
         )
+    if not callable(batches) and not isinstance(batches, Sequence):  # a generator
+        raise TypeError("batches must be a sequence of batches or a function of the "
+                        f"index, got {type(batches).__name__}: list(...) makes one")
     if not callable(batches) and len(batches) == 0:
         raise ValueError("batches is empty")
     if checkpoint_dir is not None:
@@ -395,25 +405,6 @@ def check_training(batches, *, steps, accumulation_steps, checkpoint_every, resu
     if callable(batches):
         return batches
     return lambda index: batches[index % len(batches)]
-
-
-def check_checkpoint_dir(checkpoint_dir, resume, extra) -> None:
-    """Refuse ``extra`` that a checkpoint cannot hold, a folder that is no folder, and a
-    run other than that of the folder's checkpoints (new, or resumed from a file
-    elsewhere: the rotation would delete both runs' files); make the folder."""
-    try:
-        content_digest(extra or {})  # every type of value that a checkpoint holds
-    except TypeError as error:
-        raise TypeError(f"extra: {error}") from None
-    if isinstance(resume, (str, os.PathLike)) and not os.path.isfile(resume):
-        load_checkpoint(resume)  # its FileNotFoundError, before the folder is made
-    folder = check_run_folder(checkpoint_dir, None, resume=resume)  # it, writable
-    elsewhere = isinstance(resume, (str, os.PathLike)) and (  # else: that run's step
-        os.path.dirname(os.path.realpath(resume)) != os.path.realpath(folder))
-    if (not resume or elsewhere) and (found := list_checkpoints(folder)):
-        raise ValueError(f"{folder} already holds checkpoints (the newest is "
-                         f"{found[-1].name}): the files of a run; resume that run "
-                         "(resume=True), or use another folder")
 
 
 def micro_batches(get_batch: Callable[[int], Batch], step: int,

@@ -142,6 +142,46 @@ def test_train_and_batch_refuse_pairs_and_lists_in_one_line(tmp_path):
     assert len(train(model, [Batch(src, tgt)], **common)["loss"]) == 1
 
 
+def test_train_refuses_what_it_would_miscount_and_warns_of_the_placeholder_rate(tmp_path):
+    """A loss with another padding id was divided by tokens it never counted; a generator of batches stopped with
+    "object of type 'generator' has no len()"; steps=True ran one step; a batch without a target was reported as
+    "hold no target tokens"; no scheduler trained Adam at make_optimizer's placeholder rate of 1.0 without a word;
+    label_accuracy of a batch without labels gave an AttributeError, or nan."""
+    import warnings
+
+    import torch
+
+    from annotated_transformer.copy_task import copy_batches, label_accuracy
+    from annotated_transformer.trainer import train
+    from annotated_transformer.training import Batch, LabelSmoothing, make_optimizer, make_scheduler
+
+    model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    batches = list(copy_batches(11, 8, 5, 2, generator=torch.Generator().manual_seed(0)))
+    optimizer = make_optimizer(model)
+    common = dict(optimizer=optimizer, scheduler=make_scheduler(optimizer, 16, warmup=4), progress=False)
+    with pytest.raises(ValueError, match=r"the loss's padding id \(3\) is not the batches' \(0\)"):
+        train(model, batches, steps=1, loss_fn=LabelSmoothing(11, 3), **common)
+    with pytest.raises(TypeError, match="batches must be a sequence of batches or a function of the index, got "
+                                        r"generator: list\(...\) makes one"):
+        train(model, copy_batches(11, 8, 5, 2), steps=1, loss_fn=LabelSmoothing(11, 0), **common)
+    with pytest.raises(ValueError, match="steps must be a non-negative integer, got True"):
+        train(model, batches, steps=True, loss_fn=LabelSmoothing(11, 0), **common)
+    with pytest.raises(ValueError, match="a batch to train on needs a target"):
+        train(model, [Batch(batches[0].src)], steps=1, loss_fn=LabelSmoothing(11, 0), **common)
+    with pytest.warns(UserWarning, match=r"no scheduler: the optimizer's rate stays at 1\.0"):
+        train(model, batches, steps=1, optimizer=make_optimizer(model), loss_fn=LabelSmoothing(11, 0), progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a schedule, or a rate of one's own: no warning
+        train(model, batches, steps=1, loss_fn=LabelSmoothing(11, 0), **common)
+        own = torch.optim.Adam(model.parameters(), lr=1e-3)
+        train(model, batches, steps=1, optimizer=own, loss_fn=LabelSmoothing(11, 0), progress=False)
+    padding = batches[0].src.new_zeros(batches[0].src.shape)
+    for batch in (Batch(batches[0].src), Batch(batches[0].src, torch.cat([padding[:, :1] + 1, padding], 1))):
+        with pytest.raises(ValueError, match="label_accuracy needs a batch with labels"):
+            label_accuracy(model, batch)
+    assert 0 <= label_accuracy(model, batches[0]) <= 1
+
+
 def test_train_refuses_an_optimizer_or_a_schedule_of_another_model():
     """The optimiser of another model trained nothing (a normal history, the weights unchanged); a schedule of another
     optimiser left the run at make_optimizer's placeholder rate of 1.0."""
