@@ -85,10 +85,11 @@ def beam_search(
     being each sentence's list of finished hypotheses so far. ``static`` and ``compile``
     choose the decoder's cache and step, as in ``greedy_decode`` (see ``beam_decoder``).
     """
-    # 2.5 is a TypeError
-    beam_size, n_best = as_int(beam_size, "beam_size"), as_int(n_best, "n_best")
+    # 2.5 is a TypeError; NumPy and 0-dim tensor ints are ints
+    beam_size, n_best, max_len = (as_int(value, name) for value, name in (
+        (beam_size, "beam_size"), (n_best, "n_best"), (max_len, "max_len")))
     check_beam_arguments(src, src_mask, max_len, beam_size, n_best, length_penalty,
-                         penalty)
+                         penalty, on_step)
     check_cache_flags(True, static, compile)
     check_symbols(model, max_len, start_symbol, end_symbol, src)
     if src.size(0) == 0:  # no sentences: no hypotheses
@@ -171,8 +172,10 @@ def beam_decoder(model, memory, src_mask, k, max_len, static=False, compile=Fals
 
 
 def check_beam_arguments(src, src_mask, max_len, beam_size, n_best, length_penalty,
-                         penalty) -> None:
-    """Refuse, with a ValueError naming the argument, what beam_search cannot do."""
+                         penalty, on_step=None) -> None:
+    """Refuse, with an error naming the argument, what beam_search cannot do."""
+    if on_step is not None and not callable(on_step):  # else it fails after a step
+        raise TypeError(f"on_step must be a function, got {type(on_step).__name__}")
     check_source(src, src_mask)  # its shape, and no sentence of padding only
     if beam_size < 1 or n_best < 1 or n_best > beam_size:
         raise ValueError(
@@ -324,17 +327,29 @@ def positional_limits(model) -> tuple[int | None, int | None]:
     return size("src_embed"), size("tgt_embed")
 
 
-def check_lengths(model, sources, max_len) -> None:
-    """Refuse, before any decoding, a source or an explicit ``max_len`` longer than the
-    model's positional tables."""
+def check_lengths(model, sources, max_len, pad: int | None = None) -> None:
+    """Refuse, before any decoding, a source that is not a list of the model's token
+    ids, or is ``pad`` only, or is longer than the model's source positional table,
+    and an explicit ``max_len`` longer than its target table."""
     src_limit, tgt_limit = positional_limits(model)
-    if src_limit is not None:
-        for index, source in enumerate(sources):
-            if len(source) > src_limit:
-                raise ValueError(
-                    f"sentence {index} (counting from 0) has {len(source)} tokens; "
-                    f"this model reads at most {src_limit}: shorten or split it"
-                )
+    embeddings = getattr(getattr(model, "src_embed", None), "embeddings", None)
+    vocab = getattr(embeddings, "vocab", None)
+    for index, source in enumerate(sources):
+        where = f"sentence {index} (counting from 0)"
+        if isinstance(source, (str, bytes)) or not isinstance(source, Sequence) or not (
+                all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
+                    for i in source)):
+            raise TypeError(f"{where} must be a list of int token ids, got "
+                            f"{type(source).__name__} {str(source)[:40]}")
+        if vocab is not None and not all(0 <= i < vocab for i in source):
+            wrong = next(i for i in source if not 0 <= i < vocab)
+            raise ValueError(f"{where} holds token id {wrong}; this model's ids lie in "
+                             f"0..{vocab - 1}")
+        if pad is not None and source and all(i == pad for i in source):
+            raise ValueError(f"{where} is padding only: there is nothing to translate")
+        if src_limit is not None and len(source) > src_limit:
+            raise ValueError(f"{where} has {len(source)} tokens; this model reads at "
+                             f"most {src_limit}: shorten or split it")
     if max_len is not None:
         if as_int(max_len, "max_len") < 2:
             raise ValueError(
@@ -343,9 +358,8 @@ def check_lengths(model, sources, max_len) -> None:
             )
         if tgt_limit is not None and max_len > tgt_limit:
             raise ValueError(
-                f"max_len is {max_len}, but this model writes at most {tgt_limit} "
-                "tokens, the start symbol included: use a max_len of at most "
-                f"{tgt_limit}"
+                f"max_len is {max_len}, but this model's target positional table has "
+                f"{tgt_limit} positions: use a max_len of at most {tgt_limit}"
             )
 
 
@@ -395,9 +409,10 @@ def translate_ids(
             "sources must be a list of sources (each a list of token ids), got one "
             "string"
         )
+    check_lengths(model, sources, max_len, tokenizer.pad)
     if any(len(source) == 0 for source in sources):
         raise ValueError("every source needs at least one token")
-    check_lengths(model, sources, max_len)
+    max_len = None if max_len is None else as_int(max_len, "max_len")
     tgt_limit = positional_limits(model)[1]
     device = next(model.parameters()).device
     by_length = defaultdict(list)

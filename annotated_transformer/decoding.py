@@ -13,7 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
 from annotated_transformer.masks import padding_mask, subsequent_mask
-from annotated_transformer.runtime import as_int, evaluating, get_device
+from annotated_transformer.runtime import as_int, check_size, evaluating, get_device
 from annotated_transformer.copy_task import copy_batches
 
 
@@ -43,7 +43,8 @@ def greedy_decode(
     growing ``DecoderCache`` or, with ``static=True``, a ``StaticDecoderCache`` of fixed
     shapes, whose step ``compile=True`` compiles (see ``greedy_static``).
     """
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+    max_len = as_int(max_len, "max_len")  # NumPy and 0-dim tensor ints too; not 2.0
+    if max_len < 1:
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
     check_source(src, src_mask)
     check_cache_flags(use_cache, static, compile)
@@ -128,6 +129,8 @@ def check_symbols(model, max_len, start_symbol, end_symbol=None, src=None) -> No
 def check_source(src: torch.Tensor, src_mask: torch.Tensor | None) -> None:
     """Refuse a ``src`` not of shape (batch, length >= 1), and a sentence that
     ``src_mask`` hides whole (padding only: there is nothing to attend to)."""
+    if not isinstance(src, torch.Tensor):  # a list of ids, say
+        raise TypeError(f"src must be a tensor of token ids, got {type(src).__name__}")
     if src.dim() != 2 or src.size(1) == 0:
         raise ValueError(
             f"src must have shape (batch, length >= 1), got {tuple(src.shape)}"
@@ -153,6 +156,7 @@ def copy_accuracy(
 ) -> float:
     """Exact-match accuracy of greedy decoding on ``n`` fresh random copy-task
     sequences."""
+    check_size("n", n)
     device = next(model.parameters()).device if device is None else get_device(device)
     batch = next(
         copy_batches(
