@@ -22,7 +22,7 @@ import torch
 
 from annotated_transformer.beam_search import TokenIds
 from annotated_transformer.checkpoints import write_atomically
-from annotated_transformer.download import cache_dir, fetch
+from annotated_transformer.download import cache_dir, check_output, fetch
 from annotated_transformer.runtime import check_size
 from annotated_transformer.training import Batch, token_batches
 
@@ -95,6 +95,18 @@ LEAST_VOCAB = 8  # the four special pieces and a few more: SentencePiece's small
 TRAINER_THREADS = 1  # written into the model file: the same on every machine
 
 
+def check_pairs(pairs) -> list[tuple[str, str]]:
+    """``pairs`` as a list (an iterator is read once), unless a pair is not a (source,
+    target) pair of str (TypeError): a list of str would be read as pairs of letters."""
+    pairs = list(pairs)
+    for index, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                and isinstance(pair[0], str) and isinstance(pair[1], str)):
+            raise TypeError(f"pairs must be (source, target) pairs of str, got "
+                            f"{str(pair)[:40]!r} at index {index}")
+    return pairs
+
+
 def train_tokenizer(
     pairs: Sequence[tuple[str, str]],
     vocab_size: int = 8000,
@@ -116,17 +128,16 @@ def train_tokenizer(
             f"vocab_size must be an integer >= {LEAST_VOCAB}, got {vocab_size!r}")
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
-    pairs = list(pairs)  # a list of str would train on its characters: refused
-    if not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str)
-               and isinstance(p[1], str) for p in pairs):
-        raise TypeError("pairs must be (source, target) pairs of str")
+    pairs = check_pairs(pairs)
     lines = [side for pair in pairs for side in pair]
     if not any(line.strip() for line in lines):  # else SentencePiece's INTERNAL error
         raise ValueError("train_tokenizer needs at least one sentence with text, got "
                          f"{len(pairs)} pair(s) of empty or blank sentences")
     text = f"threads {TRAINER_THREADS}\n" + "\n".join(lines)  # files of other counts
     key = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]  # are not reused
-    folder = Path(directory) if directory is not None else cache_dir() / "tokenizers"
+    place = cache_dir() / "tokenizers" if directory is None else directory
+    check_output(place, "directory", "the tokenizer", folder=True)  # before training
+    folder = Path(place)
     path = folder / f"joint-{model_type}-{vocab_size}-{key}.model"
     if path.exists():
         try:
@@ -186,13 +197,14 @@ SCRATCH = {"corpus.txt", "model.model", "model.vocab"}  # earlier versions' scra
 
 def remove_stale_scratch(folder: Path, older_than: float = STALE_SECONDS) -> list[Path]:
     """Remove, with a warning, what killed trainings left in the cache ``folder``:
-    scratch folders ``tmp*`` and temporary files ``.*.model.*.tmp``, once ``older_than``
-    seconds old."""
+    scratch folders ``tmp*`` holding only ``SCRATCH`` files and temporary files
+    ``.joint-*.model.*.tmp``, once ``older_than`` seconds old."""
     if not folder.is_dir():
         return []
-    found = [*folder.glob("tmp*"), *folder.glob(".*.model.*.tmp")]
-    ours = [p for p in found  # a folder of other files is not a scratch folder
-            if not p.is_dir() or {f.name for f in p.iterdir()} <= SCRATCH]
+    found = [*(p for p in folder.glob("tmp*") if p.is_dir()),  # only these are ours:
+             *(p for p in folder.glob(".joint-*.model.*.tmp") if p.is_file())]
+    ours = [p for p in found  # a folder of other files, or an empty one, is not ours
+            if not p.is_dir() or set() < {f.name for f in p.iterdir()} <= SCRATCH]
     stale = [p for p in ours if time.time() - p.stat().st_mtime > older_than]
     for path in stale:
         if path.is_dir():
@@ -231,6 +243,7 @@ def encode_pairs(
         raise ValueError(f"max_len must be None or an integer >= {LEAST_MAX_LEN}, got "
                          f"{max_len!r}")
     tokenizer = getattr(tokenizer, "processor", tokenizer)  # a SentencePieces: its own
+    pairs = check_pairs(pairs)
     sources = tokenizer.encode([source for source, _ in pairs])
     targets = tokenizer.encode([target for _, target in pairs])
     examples = [
@@ -429,8 +442,12 @@ class SentencePieces:
         return self.processor.encode(text) + [EOS_ID]
 
     def decode(self, ids) -> str:
-        """The text of an output's pieces (without <s> and </s>)."""
-        return self.processor.decode(list(ids))
+        """The text of an output's pieces (without <s> and </s>): a list or a tensor of
+        ids."""
+        if isinstance(ids, str):  # else read as a list of pieces, and returned as it is
+            raise TypeError("decode takes token ids, got a str")
+        return self.processor.decode(
+            ids.tolist() if isinstance(ids, torch.Tensor) else list(ids))
 
     def piece(self, index: int) -> str:  # such as '▁Hund'
         return self.processor.id_to_piece(index)
