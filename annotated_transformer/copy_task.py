@@ -13,8 +13,8 @@ from torch import nn
 from annotated_transformer.folders import latest_checkpoint, run_folder
 from annotated_transformer.model import make_model
 from annotated_transformer.runtime import (
-    AmpSetting, check_settings, choose_precision, distributed_context, evaluating,
-    get_profile, init_distributed, seed_everything, warn_long_warmup,
+    AmpSetting, check_settings, check_size, choose_precision, distributed_context,
+    evaluating, get_profile, init_distributed, seed_everything, warn_long_warmup,
 )
 from annotated_transformer.trainer import check_training, train
 from annotated_transformer.training import (
@@ -52,6 +52,7 @@ def copy_batches(
         )
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    check_size("batch_size", batch_size)
     for _ in range(n_batches):
         data = torch.randint(2, vocab, (batch_size, seq_len), generator=generator)
         data[:, 0] = start

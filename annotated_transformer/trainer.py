@@ -72,9 +72,9 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
                             f"{type(batch).__name__}")
         if batch.tgt_y is None:
             raise ValueError("a batch to train on needs a target: Batch(src, tgt)")
-        if getattr(loss_fn, "padding_idx", batch.pad) != batch.pad:  # else miscounted
-            raise ValueError(f"the loss's padding id ({loss_fn.padding_idx}) is not "
-                             f"the batches' ({batch.pad}): make them agree")
+        if (pad_id := getattr(loss_fn, "padding_idx", batch.pad)) != batch.pad:
+            raise ValueError(f"the loss's padding id ({pad_id}) is not the batches' "
+                             f"({batch.pad}): make them agree")  # else miscounted
     total_tokens = sum(batch.ntokens for batch in group)
     if total_tokens == 0:
         raise ValueError("the micro-batches of a step hold no target tokens")
@@ -83,6 +83,7 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
         if world > 1:
             batch = batch.select(shard_rows(len(batch), rank, world))
         batch = batch.to(device)
+        assert batch.tgt_y is not None  # checked above
         last = j == len(group) - 1
         with net.no_sync() if world > 1 and not last else contextlib.nullcontext():
             with precision.autocast():

@@ -293,7 +293,8 @@ def make_optimizer(
     """Adam with the paper's settings (section 5.3) for a model (or an iterable of
     parameters).
 
-    Its base learning rate is 1, so that the schedule's factor is the learning rate.
+    Its base learning rate is 1, so that the schedule's value (``rate``) is the
+    learning rate.
     Where PyTorch has a fused Adam kernel for the parameters' device (CPU and CUDA), it
     is used: same algorithm, one kernel per step.
     """

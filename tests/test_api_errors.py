@@ -333,3 +333,89 @@ def test_attention_names_shapes_that_equation_1_cannot_take(shapes, mask, match)
     query, key, value = (torch.randn(*shape) for shape in shapes)
     with pytest.raises(ValueError, match=match):
         attention(query, key, value, None if mask is None else torch.ones(*mask, dtype=torch.bool))
+
+
+def test_decoding_checks_every_source_before_it_decodes_any_and_takes_int_like_lengths():
+    """translate_ids had checked only the lengths up front: a source of padding only, an id outside the vocabulary or
+    a number for a source failed after the shorter sources were decoded (a padding-only one named by its row in its
+    chunk, an id by no sentence, a number as "object of type 'int' has no len()"). greedy_decode and beam_search
+    refused max_len=np.int64(4), which translate_ids' own check took; a list as src, copy_accuracy's n=0 and
+    beam_search's on_step=3 failed inside PyTorch or after a step."""
+    import numpy as np
+    import torch
+
+    from annotated_transformer.beam_search import TokenIds, beam_search, translate_ids
+    from annotated_transformer.decoding import copy_accuracy, greedy_decode
+
+    torch.manual_seed(0)
+    model = make_model(7, 7, N=1, d_model=16, d_ff=32, h=2).eval()
+    encoded = []
+    model.encoder.register_forward_hook(lambda module, args, output: encoded.append(1))
+    for sources, error, match in [
+        ([[1, 3], [1, 4], [0, 0, 0]], ValueError, r"sentence 2 \(counting from 0\) is padding only"),
+        ([[1, 3], [1, 4, 9]], ValueError, r"sentence 1 \(counting from 0\) holds token id 9; this model's ids lie in "
+                                          r"0\.\.6"),
+        ([[1, 3], 5], TypeError, r"sentence 1 \(counting from 0\) must be a list of int token ids, got int 5"),
+        ([[1, 3], [1, 2.0]], TypeError, "sentence 1 .* must be a list of int token ids"),
+    ]:
+        with pytest.raises(error, match=match):
+            translate_ids(model, TokenIds(7), sources, beam_size=1)
+        assert encoded == []  # nothing was decoded
+    with pytest.raises(ValueError, match="max_len is 5001, but this model's target positional table has 5000 "
+                                         "positions: use a max_len of at most 5000"):
+        translate_ids(model, TokenIds(7), [[1, 3]], max_len=5001)
+    src = torch.tensor([[1, 3, 4]])
+    same = [greedy_decode(model, src, None, length, 1) for length in (4, np.int64(4), torch.tensor(4))]
+    assert all(torch.equal(tokens, same[0]) for tokens in same)
+    assert len(beam_search(model, src, None, np.int64(4), 1, None, beam_size=2)[0]) == 1
+    assert translate_ids(model, TokenIds(7), [[1, 3]], beam_size=1, max_len=np.int64(4))
+    with pytest.raises(TypeError, match="src must be a tensor of token ids, got list"):
+        greedy_decode(model, [[1, 3, 4]], None, 4, 1)
+    with pytest.raises(TypeError, match="on_step must be a function, got int"):
+        beam_search(model, src, None, 4, 1, None, on_step=3)
+    with pytest.raises(ValueError, match="n must be a positive integer, got 0"):
+        copy_accuracy(model, vocab=7, seq_len=5, n=0)
+
+
+def test_the_tokenizer_side_keeps_the_users_files_and_reads_pairs_once(tmp_path):
+    """train_tokenizer's cleaning of leftovers deleted a user's own old files named tmp*, an empty tmp* folder and any
+    .*.model.*.tmp file of the folder it was given; directory='' wrote into the working folder and a file as the
+    folder failed after training. encode_pairs returned [] for an iterator (read twice) and read a list of str as pairs
+    of letters; SentencePieces.decode took a str as pieces and failed on a tensor of ids."""
+    import os
+    import time
+
+    import torch
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    theirs = [folder / "tmp_notes.txt", folder / "tmpdir_empty", folder / ".my.model.v2.tmp", folder / "tmp_results"]
+    theirs[0].write_text("notes")
+    theirs[1].mkdir()
+    theirs[2].write_text("a file of another program")
+    theirs[3].mkdir()
+    (theirs[3] / "corpus.txt").write_text("the user's corpus")
+    (theirs[3] / "results.csv").write_text("1,2")
+    leftover = folder / ".joint-bpe-40-0123456789abcdef.model.x1y2z3w4.tmp"
+    leftover.write_bytes(b"half a model")
+    hour_ago = time.time() - 3700
+    for path in [*theirs, leftover]:
+        os.utime(path, (hour_ago, hour_ago))
+    pairs = made_up_pairs()
+    with pytest.warns(UserWarning, match="removed 1 leftover"):
+        model = train_tokenizer(pairs, vocab_size=40, directory=folder)
+    assert all(path.exists() for path in theirs) and not leftover.exists()
+    for directory, match in [("", "directory is an empty path: name a folder"),
+                             (theirs[0], r"tmp_notes\.txt is a file, not a folder \(directory\)")]:
+        with pytest.raises(ValueError, match=match):
+            train_tokenizer(made_up_pairs(seed=1), vocab_size=40, directory=directory)
+    assert not list(tmp_path.glob("*.model"))
+    processor = load_tokenizer(model)
+    assert encode_pairs(iter(pairs[:3]), processor) == encode_pairs(pairs[:3], processor) != []
+    with pytest.raises(TypeError, match=r"pairs must be \(source, target\) pairs of str, got 'Ein Hund' at index 0"):
+        encode_pairs(["Ein Hund", "Eine Katze"], processor)
+    tokenizer = SentencePieces(processor)
+    ids = processor.encode("Hund Katze")
+    assert tokenizer.decode(torch.tensor(ids)) == tokenizer.decode(ids) == processor.decode(ids)
+    with pytest.raises(TypeError, match="decode takes token ids, got a str"):
+        tokenizer.decode("Hund")
