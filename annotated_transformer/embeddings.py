@@ -52,9 +52,9 @@ class Generator(nn.Module):
     """The output layer: a linear projection to ``vocab`` scores and a log-softmax
     (section 3.4).
 
-    ``forward(x)`` maps ``(..., d_model)`` to log-probabilities ``(..., vocab)``, in
-    float32 or wider (16-bit scores are normalised in float32). With weight tying,
-    ``proj.weight`` is the embedding matrix; the bias ``proj.bias`` stays separate.
+    ``forward(x)`` maps ``(..., d_model)`` to log-probabilities ``(..., vocab)``. With
+    weight tying, ``proj.weight`` is the embedding matrix; the bias ``proj.bias`` stays
+    separate.
     """
 
     def __init__(self, d_model: int, vocab: int):
@@ -65,7 +65,4 @@ class Generator(nn.Module):
         self.proj = nn.Linear(d_model, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = self.proj(x)
-        # at least float32: what CUDA's autocast does, and a CPU's does not
-        wide = torch.promote_types(scores.dtype, torch.float32)
-        return F.log_softmax(scores, dim=-1, dtype=wide)
+        return F.log_softmax(self.proj(x), dim=-1)

@@ -189,23 +189,17 @@ def test_fp16_training_scales_skips_an_overflow_and_resumes_exactly(tmp_path, mo
     load_state_dict = torch.amp.GradScaler.load_state_dict
     monkeypatch.setattr(torch.amp.GradScaler, "load_state_dict",
                         lambda self, state: (loaded.append(state), load_state_dict(self, state)))
-
-    class HighScale(Precision):  # the tiny model's float32 log-softmax never overflows at PyTorch's first 2**16
-        def grad_scaler(self):
-            return torch.amp.GradScaler(self.device, init_scale=2.0**18)
-
-    fp16 = HighScale("cpu", torch.float16, "made by hand for the test")
-    straight, history = tiny_run(tmp_path / "straight", amp=fp16)
+    straight, history = tiny_run(tmp_path / "straight", amp=FP16)
     final = load_checkpoint(latest_checkpoint(tmp_path / "straight"))["extra"]
-    initial = 2.0**18
+    initial = torch.amp.GradScaler("cpu").get_scale()
     assert final["precision"] == "fp16" and final["grad_scaler"]["scale"] < initial  # an overflow was skipped
     assert all(p.dtype == torch.float32 for p in straight.parameters()) and len(history["loss"]) == 6
     with pytest.raises(KeyboardInterrupt):
-        tiny_run(tmp_path / "resumed", amp=fp16, crash_at=10)
+        tiny_run(tmp_path / "resumed", amp=FP16, crash_at=10)
     saved = load_checkpoint(latest_checkpoint(tmp_path / "resumed"))["extra"]["grad_scaler"]
     assert saved["scale"] < initial  # the overflow came before the crash
     torch.manual_seed(12345)
-    resumed, _ = tiny_run(tmp_path / "resumed", amp=fp16, resume=True, init_seed=1)
+    resumed, _ = tiny_run(tmp_path / "resumed", amp=FP16, resume=True, init_seed=1)
     assert loaded == [saved]  # the resumed run went on with the scale the checkpoint held
     assert same_weights(straight, resumed)
 
