@@ -48,7 +48,10 @@ def padding_mask(tokens: torch.Tensor, pad: int) -> torch.Tensor:
     every query.
     """
     _check_tokens(tokens, "tokens")
-    pad = as_int(pad, "pad")
+    pad, info = as_int(pad, "pad"), torch.iinfo(tokens.dtype)
+    if not info.min <= pad <= info.max:  # else compared after wrapping around: 261 is 5
+        raise ValueError(f"pad {pad} does not fit the tokens' dtype {tokens.dtype} "
+                         f"({info.min}..{info.max})")
     return (tokens != pad).unsqueeze(-2)
 
 

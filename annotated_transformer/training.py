@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import Iterable, Sequence
 
 import torch
@@ -89,12 +90,21 @@ def token_batches(
     Returns lists of example indices; with ``shuffle`` the order of the batches is
     random (ties in length are broken at random too).
     """
-    if not isinstance(max_tokens, int) or max_tokens < 1:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or (
+            max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    sizes = [
-        tuple(int(v) for v in x) if isinstance(x, (tuple, list)) else (int(x),)
-        for x in lengths
-    ]
+    for name, flag in (("bucket", bucket), ("shuffle", shuffle)):
+        if not isinstance(flag, bool):  # "False" is a true string
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    try:  # ints (NumPy's too), not 3.7 or "3"
+        sizes = [tuple(map(operator.index, x)) if isinstance(x, (tuple, list))
+                 else (operator.index(x),) for x in lengths]
+    except TypeError:
+        raise TypeError("lengths must hold int lengths, or (source, target) pairs of "
+                        "them") from None
+    if len({len(size) for size in sizes}) > 1:  # zip would drop a side
+        raise ValueError("lengths must be all single lengths or all (source, target) "
+                         "pairs")
     for index, size in enumerate(sizes):
         if min(size) < 0 or max(size) > max_tokens:
             raise ValueError(

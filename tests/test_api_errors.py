@@ -419,3 +419,33 @@ def test_the_tokenizer_side_keeps_the_users_files_and_reads_pairs_once(tmp_path)
     assert tokenizer.decode(torch.tensor(ids)) == tokenizer.decode(ids) == processor.decode(ids)
     with pytest.raises(TypeError, match="decode takes token ids, got a str"):
         tokenizer.decode("Hund")
+
+
+def test_batching_and_masks_refuse_what_they_would_read_wrongly():
+    """token_batches truncated 3.7 to 3, parsed "3" as 3, dropped a side of mixed lengths through zip, took True as a
+    budget of 1 and "False" as a true flag; padding_mask compared a pad that does not fit the tokens' dtype after
+    wrapping around (261 masked the token 5 of a uint8 batch)."""
+    import numpy as np
+    import torch
+
+    from annotated_transformer.masks import padding_mask, target_mask
+    from annotated_transformer.training import token_batches
+
+    for lengths, error, match in [([3.7, 2.2], TypeError, "lengths must hold int lengths"),
+                                  (["3", "4"], TypeError, "lengths must hold int lengths"),
+                                  ([(1, 2), (3,)], ValueError, "lengths must be all single lengths or all")]:
+        with pytest.raises(error, match=match):
+            token_batches(lengths, 10)
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer, got True"):
+        token_batches([1, 2], True)
+    for flag in ("bucket", "shuffle"):
+        with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'False'"):
+            token_batches([1, 2], 10, **{flag: "False"})
+    assert token_batches([np.int64(3), 4], 10, shuffle=False) == [[0, 1]]
+    tokens = torch.tensor([[5, 6, 0, 0]], dtype=torch.uint8)
+    for pad in (261, -1):
+        with pytest.raises(ValueError, match=rf"pad {pad} does not fit the tokens' dtype torch.uint8 \(0\.\.255\)"):
+            padding_mask(tokens, pad)
+        with pytest.raises(ValueError, match="does not fit the tokens' dtype"):
+            target_mask(tokens, pad)
+    assert padding_mask(tokens, 0).tolist() == [[[True, True, False, False]]]

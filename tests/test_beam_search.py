@@ -486,7 +486,7 @@ def test_max_len_beyond_the_target_table_is_refused_and_the_default_is_cut_to_it
     model = copy_model()
     table = model.tgt_embed.position.max_len
     calls = count_encodes(model)
-    with pytest.raises(ValueError, match=rf"max_len is {table + 1}, but this model writes at most {table} tokens"):
+    with pytest.raises(ValueError, match=rf"max_len is {table + 1}, but this model's target positional table has {table} positions"):
         translate_ids(model, TokenIds(11), [[1, 3, 4]], max_len=table + 1)
     with pytest.raises(ValueError, match="max_len must be at least 2"):
         translate_ids(model, TokenIds(11), [[1, 3, 4]], max_len=1)

@@ -153,11 +153,11 @@ def test_max_len_one_returns_the_start_symbol(cache, small_model):
     assert out.tolist() == [[START]] * 6 and log_probs.shape == (6, 0)
 
 
-@pytest.mark.parametrize("max_len", [0, -3, 2.5, True])
-def test_bad_max_len_is_refused(max_len, small_model):
+@pytest.mark.parametrize("max_len, error", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_bad_max_len_is_refused(max_len, error, small_model):
     model = small_model()
     src, mask = padded_batch()
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(error, match="max_len"):  # a number that is not an int: a TypeError, as for start_symbol
         greedy_decode(model, src, mask, max_len, START, END)
 
 
