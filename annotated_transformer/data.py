@@ -76,7 +76,7 @@ def load_split(
     ``directory``, the folder named by $ANNOTATED_TRANSFORMER_DATA, the cache or a
     download, always verified.
     """
-    if split not in SPLITS:
+    if not isinstance(split, str) or split not in SPLITS:  # a list is no key at all
         raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
     stem = SPLITS[split]
     german = read_lines(fetch(f"{stem}.de.gz", directory))
@@ -364,7 +364,12 @@ def tokenizer_from_tensor(data: torch.Tensor) -> spm.SentencePieceProcessor:
         or data.dim() != 1
     ):
         raise TypeError("data must be a 1-D uint8 tensor made by tokenizer_to_tensor")
-    return spm.SentencePieceProcessor(model_proto=data.numpy().tobytes())
+    try:  # an empty tensor would load as a model of no pieces, which cannot encode
+        if data.numel():
+            return spm.SentencePieceProcessor(model_proto=data.numpy().tobytes())
+    except RuntimeError:  # SentencePiece's "INTERNAL: ... ParseFromArray"
+        pass
+    raise ValueError("data is not a SentencePiece model: empty or damaged")
 
 
 def tokenizer_digest(tokenizer) -> str:

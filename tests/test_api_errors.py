@@ -449,3 +449,18 @@ def test_batching_and_masks_refuse_what_they_would_read_wrongly():
         with pytest.raises(ValueError, match="does not fit the tokens' dtype"):
             target_mask(tokens, pad)
     assert padding_mask(tokens, 0).tolist() == [[[True, True, False, False]]]
+
+
+def test_a_tokenizer_tensor_or_a_split_that_cannot_be_read_is_named():
+    """tokenizer_from_tensor took an empty tensor (a model of no pieces, whose encode then failed with "INTERNAL: Model
+    is not initialized") and passed SentencePiece's RuntimeError through for garbage; load_split(["train"]) stopped
+    with "unhashable type: 'list'"."""
+    import torch
+
+    from annotated_transformer.data import load_split, tokenizer_from_tensor
+
+    for data in (torch.zeros(0, dtype=torch.uint8), torch.arange(100, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match="data is not a SentencePiece model: empty or damaged"):
+            tokenizer_from_tensor(data)
+    with pytest.raises(ValueError, match=r"split must be one of \['test', 'train', 'valid'\], got \['train'\]"):
+        load_split(["train"])
