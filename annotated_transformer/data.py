@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import numbers
 import os
 import re
 import shutil
@@ -288,6 +289,10 @@ def collate(examples, indices=None, pad: int = PAD_ID, *, multiple: int = 1) -> 
     """The ``Batch`` of ``examples`` (or of ``examples[i] for i in indices``), padded
     with ``pad`` (to the widths of :func:`padded_lengths` with ``multiple``)."""
     check_size("multiple", multiple)
+    if indices is not None and not all(  # a bool mask would pick examples 1 and 0
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0
+            for i in indices):
+        raise TypeError("indices must be example indices, ints >= 0")
     chosen = examples if indices is None else [examples[i] for i in indices]
     if not chosen:
         raise ValueError("a batch needs at least one example")
@@ -316,6 +321,8 @@ class EpochBatches:
             raise ValueError("examples is empty")
         if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
             raise ValueError(f"multiple must be a positive integer, got {multiple!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
         self.examples, self.max_tokens, self.seed, self.pad = (
             examples,
             max_tokens,
@@ -458,6 +465,7 @@ class SentencePieces:
         return self.processor.id_to_piece(index)
 
     def max_len(self, source_length: int) -> int:  # the longest output, <s> included
+        check_size("source_length", source_length)  # -100 gave -110
         return int(MAX_LEN_A * source_length) + MAX_LEN_B
 
 

@@ -464,3 +464,24 @@ def test_a_tokenizer_tensor_or_a_split_that_cannot_be_read_is_named():
             tokenizer_from_tensor(data)
     with pytest.raises(ValueError, match=r"split must be one of \['test', 'train', 'valid'\], got \['train'\]"):
         load_split(["train"])
+
+
+def test_collate_epochs_and_lengths_refuse_what_they_would_misread(tmp_path):
+    """collate read a bool mask as the indices 1 and 0 and a negative index from the end; EpochBatches took a seed of
+    0.5 to a RuntimeError of manual_seed; SentencePieces.max_len(-100) gave -110."""
+    import numpy as np
+
+    from annotated_transformer.data import EpochBatches
+
+    examples = [([5, 3], [2, 5, 3]), ([6, 7, 3], [2, 6, 3])]
+    for indices in ([True, False], [-1], [0.0]):
+        with pytest.raises(TypeError, match="indices must be example indices, ints >= 0"):
+            collate(examples, indices)
+    assert collate(examples, [np.int64(1)]).src.tolist() == [[6, 7, 3]]
+    for seed in (0.5, -1, True, 2**32):
+        with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*32\)"):
+            EpochBatches(examples, 100, seed=seed)
+    tokenizer = SentencePieces(load_tokenizer(train_tokenizer(made_up_pairs(), vocab_size=40, directory=tmp_path)))
+    with pytest.raises(ValueError, match="source_length must be a positive integer, got -100"):
+        tokenizer.max_len(-100)
+    assert tokenizer.max_len(10) > 10
