@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from annotated_transformer.runtime import as_int, get_device
+from annotated_transformer.runtime import as_int, check_probability, get_device
 
 
 def check_shapes(query, key, value, mask) -> None:
@@ -152,7 +152,7 @@ class MultiHeadedAttention(nn.Module):
         self.w_k = nn.Linear(d_model, d_model)
         self.w_v = nn.Linear(d_model, d_model)
         self.w_o = nn.Linear(d_model, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout, one=True))
         self.record_attention = False
         self.attention_weights = None
 

@@ -14,7 +14,7 @@ from annotated_transformer.folders import latest_checkpoint, run_folder
 from annotated_transformer.model import make_model
 from annotated_transformer.runtime import (
     AmpSetting, check_settings, check_size, choose_precision, distributed_context,
-    evaluating, get_profile, init_distributed, seed_everything, warn_long_warmup,
+    evaluating, get_profile, init_distributed, seed_everything,
 )
 from annotated_transformer.trainer import check_training, train
 from annotated_transformer.training import (
@@ -22,6 +22,7 @@ from annotated_transformer.training import (
     LabelSmoothing,
     make_optimizer,
     make_scheduler,
+    warn_long_warmup,
 )
 
 

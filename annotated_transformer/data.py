@@ -290,7 +290,7 @@ def collate(examples, indices=None, pad: int = PAD_ID, *, multiple: int = 1) -> 
     with ``pad`` (to the widths of :func:`padded_lengths` with ``multiple``)."""
     check_size("multiple", multiple)
     if indices is not None and not all(  # a bool mask would pick examples 1 and 0
-            isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) and int(i) >= 0
             for i in indices):
         raise TypeError("indices must be example indices, ints >= 0")
     chosen = examples if indices is None else [examples[i] for i in indices]

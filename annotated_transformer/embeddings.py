@@ -32,6 +32,8 @@ class Embeddings(nn.Module):
         self.lut = nn.Embedding(vocab, d_model)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tokens, torch.Tensor):  # a list of ids, say
+            raise TypeError(f"tokens must be a tensor, got {type(tokens).__name__}")
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(
                 "tokens must be an integer tensor (torch.long or torch.int), got "
@@ -62,7 +64,11 @@ class Generator(nn.Module):
         for name, value in (("d_model", d_model), ("vocab", vocab)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.d_model = d_model
         self.proj = nn.Linear(d_model, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.size(-1) != self.d_model:  # a size: no sync, no break
+            raise ValueError("the input's last dimension must be "
+                             f"d_model={self.d_model}, got shape {tuple(x.shape)}")
         return F.log_softmax(self.proj(x), dim=-1)

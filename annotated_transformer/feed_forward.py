@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from annotated_transformer.runtime import check_probability
+
 
 class ReLUFunction(torch.autograd.Function):
     """max(0, z) with the backward written as the sign of the output: the gradient of
@@ -46,7 +48,7 @@ class PositionwiseFeedForward(nn.Module):
         self.d_model = d_model
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout, one=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.size(-1) != self.d_model:

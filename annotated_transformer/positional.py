@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from annotated_transformer.runtime import check_size
+from annotated_transformer.runtime import check_probability, check_size
 
 
 def sinusoid_table(
@@ -83,7 +83,7 @@ class PositionalEncoding(nn.Module):
     def __init__(self, d_model: int, dropout: float, max_len: int = 5000):
         super().__init__()
         self.d_model, self.max_len = d_model, max_len
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout, one=True))
         self.register_buffer(
             "pe", sinusoid_table(max_len, d_model).unsqueeze(0), persistent=False
         )
@@ -107,7 +107,7 @@ class LearnedPositionalEmbedding(nn.Module):
         check_size("d_model", d_model)
         check_size("max_len", max_len)
         self.d_model, self.max_len = d_model, max_len
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout, one=True))
         self.weight = nn.Parameter(torch.randn(max_len, d_model) * d_model**-0.5)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:

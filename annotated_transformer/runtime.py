@@ -10,7 +10,6 @@ import os
 import platform
 import random
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -301,6 +300,16 @@ def check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
+def check_probability(name: str, value, *, one: bool = False) -> float:
+    """``value`` if it is a probability in [0, 1) ([0, 1] with ``one``); else a
+    ValueError naming ``name``."""
+    top = "1]" if one else "1)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0.0 <= value < 1.0 or (one and value == 1.0)):  # a str, None, NaN fail
+        raise ValueError(f"{name} must be a probability in [0, {top}, got {value!r}")
+    return value
+
+
 def check_module(name: str, value) -> None:
     """Raise a TypeError unless ``value`` is an ``nn.Module``."""
     if not isinstance(value, torch.nn.Module):
@@ -313,10 +322,8 @@ def check_settings(config, *, positive, probabilities, numbers=()) -> None:
     finite ``factor``, ``clip_norm`` and each of ``numbers`` (or None), a seed."""
     for name in positive:
         check_size(name, getattr(config, name))
-    for name in probabilities:  # a bool or a str is no probability
-        if isinstance(value := getattr(config, name), bool) or not isinstance(
-                value, (int, float)) or not 0.0 <= value < 1.0:
-            raise ValueError(f"{name} must lie in [0, 1), got {value!r}")
+    for name in probabilities:
+        check_probability(name, getattr(config, name))
     if config.d_model % config.h:
         raise ValueError(f"d_model ({config.d_model}) must be divisible by h "
                          f"({config.h})")
@@ -325,17 +332,6 @@ def check_settings(config, *, positive, probabilities, numbers=()) -> None:
     seed = config.seed
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
-
-
-def warn_long_warmup(config):
-    """``config`` (a training task's), after a warning on standard error if its warm-up
-    outlasts the run: the learning rate would never reach its peak."""
-    if config.warmup > config.steps:
-        peak = config.steps / config.warmup
-        print(f"warning: the warm-up ({config.warmup:,} steps) outlasts the run "
-              f"({config.steps:,} steps): the learning rate only rises, to {peak:.2g} "
-              "of its peak", file=sys.stderr)
-    return config
 
 
 def glue(name: str, value, display: bool = False) -> None:

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from annotated_transformer.runtime import check_probability
+
 
 class LayerNorm(nn.Module):
     """Layer normalisation over the last dimension (Ba et al., 2016).
@@ -27,7 +29,7 @@ class LayerNorm(nn.Module):
                 "features must be a positive int (the size of the last dimension), "
                 f"got {features!r}"
             )
-        if not eps >= 0:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise ValueError(f"eps must be a non-negative float, got {eps!r}")
         self.features = features
         self.eps = eps
@@ -61,7 +63,7 @@ class SublayerConnection(nn.Module):
             raise TypeError(f"norm_first must be True or False, got "
                             f"{type(norm_first).__name__} {norm_first!r}")
         self.norm = LayerNorm(size)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout, one=True))
         self.norm_first = norm_first
 
     def forward(

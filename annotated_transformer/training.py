@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from typing import Iterable, Sequence
 
 import torch
@@ -334,3 +335,14 @@ def make_scheduler(
         optimizer,
         lambda index: rate(index + 1, model_size, factor, warmup, total=total),
     )
+
+
+def warn_long_warmup(config):
+    """``config`` (a training task's), after a warning on standard error if its warm-up
+    outlasts the run: the learning rate would never reach its peak."""
+    if config.warmup > config.steps:
+        peak = config.steps / config.warmup
+        print(f"warning: the warm-up ({config.warmup:,} steps) outlasts the run "
+              f"({config.steps:,} steps): the learning rate only rises, to {peak:.2g} "
+              "of its peak", file=sys.stderr)
+    return config

@@ -39,7 +39,7 @@ from annotated_transformer.model import EMBEDDING_INITS, make_model
 from annotated_transformer.runtime import (
     AmpSetting, Precision, check_settings as check_shared_settings, check_size,
     choose_precision, cpu_has_bf16_instructions, cpu_has_bf16_kernels, evaluating,
-    get_device, get_profile, seed_everything, warn_long_warmup,
+    get_device, get_profile, seed_everything,
 )
 from annotated_transformer.trainer import due, train
 from annotated_transformer.training import (
@@ -47,6 +47,7 @@ from annotated_transformer.training import (
     make_optimizer,
     make_scheduler,
     token_batches,
+    warn_long_warmup,
 )
 
 

@@ -86,8 +86,8 @@ def test_bleu_and_its_bootstrap_refuse_what_they_would_miscount():
     (dict(max_len=2), ValueError, "max_len must be at least 3, got 2"),
     (dict(vocab_size=5), ValueError, "vocab_size must be at least 8, got 5"),
     (dict(d_model=15, h=3), ValueError, "d_model must be even, got 15"),
-    (dict(dropout="0.1"), ValueError, r"dropout must lie in \[0, 1\), got '0.1'"),
-    (dict(dropout=False), ValueError, r"dropout must lie in \[0, 1\), got False"),
+    (dict(dropout="0.1"), ValueError, r"dropout must be a probability in \[0, 1\), got '0.1'"),
+    (dict(dropout=False), ValueError, r"dropout must be a probability in \[0, 1\), got False"),
     (dict(length_penalty="0.6"), ValueError, r"length_penalty must lie in \[0, .*\], got '0.6'"),
     (dict(length_penalty=True), ValueError, r"length_penalty must lie in \[0, .*\], got True"),
 ])
@@ -485,3 +485,38 @@ def test_collate_epochs_and_lengths_refuse_what_they_would_misread(tmp_path):
     with pytest.raises(ValueError, match="source_length must be a positive integer, got -100"):
         tokenizer.max_len(-100)
     assert tokenizer.max_len(10) > 10
+
+
+@pytest.mark.parametrize("dropout", [float("nan"), "0.1", None, 1.5, -0.1])
+def test_every_layer_with_dropout_refuses_a_rate_that_is_no_probability_when_it_is_made(dropout):
+    """nn.Dropout takes NaN (it is neither below 0 nor above 1): a layer made with it failed at its first step, the
+    attention with "Currently do not support dropout > 0"; a str or None failed inside nn.Dropout with a comparison
+    error that named no argument."""
+    from annotated_transformer.attention import MultiHeadedAttention
+    from annotated_transformer.feed_forward import PositionwiseFeedForward
+    from annotated_transformer.positional import LearnedPositionalEmbedding, PositionalEncoding
+    from annotated_transformer.sublayers import SublayerConnection
+
+    for make in (lambda: PositionalEncoding(8, dropout), lambda: LearnedPositionalEmbedding(8, dropout, 10),
+                 lambda: PositionwiseFeedForward(8, 16, dropout), lambda: SublayerConnection(8, dropout),
+                 lambda: MultiHeadedAttention(2, 8, dropout)):
+        with pytest.raises(ValueError, match=r"dropout must be a probability in \[0, 1\], got "):
+            make()
+
+
+def test_the_generator_embeddings_and_layer_norm_name_what_they_cannot_take():
+    """Generator of another width failed inside nn.Linear ("mat1 and mat2 shapes cannot be multiplied"); Embeddings
+    of a list stopped with "'list' object has no attribute 'dtype'"; LayerNorm(8, eps="1e-6") with a comparison error
+    that named no argument."""
+    import torch
+
+    from annotated_transformer.embeddings import Embeddings, Generator
+    from annotated_transformer.sublayers import LayerNorm
+
+    with pytest.raises(ValueError, match=r"the input's last dimension must be d_model=16, got shape \(2, 3, 8\)"):
+        Generator(16, 11)(torch.randn(2, 3, 8))
+    assert Generator(16, 11)(torch.randn(2, 3, 16)).shape == (2, 3, 11)
+    with pytest.raises(TypeError, match="tokens must be a tensor, got list"):
+        Embeddings(8, 11)([[1, 2]])
+    with pytest.raises(ValueError, match="eps must be a non-negative float, got '1e-6'"):
+        LayerNorm(8, eps="1e-6")
