@@ -194,7 +194,9 @@ def train_step_flops(
     return 3 * (weights + products)
 
 
-PEAK_BF16_FLOPS = {  # dense bf16 tensor-core peak in FLOP/s; sparsity not counted
+PEAK_BF16_FLOPS: dict[str, float | None] = {  # dense bf16 peak, FLOP/s; no sparsity
+    "H200 NVL": None,  # the NVL parts have lower clocks: not known here, so no MFU
+    "H100 NVL": None,
     "GH200": 989.4e12,
     "H200": 989.4e12,
     "H100 PCIe": 756.5e12,
@@ -316,7 +318,9 @@ PROFILE_COLUMNS = [
 
 def step_kind(name: str) -> str:
     """The kind of work of an operation or kernel called ``name`` (``STEP_KINDS``, else
-    "other element-wise and framework")."""
+    "other element-wise and framework"); an autograd node's own time is framework."""
+    if name.startswith("autograd::") or re.search(r"Backward\d*$", name):
+        return "other element-wise and framework"  # AddmmBackward0's: not the product
     name = name.lower()
     for kind, parts in STEP_KINDS:
         if any(part in name for part in parts):

@@ -233,6 +233,8 @@ def test_peak_table_and_mfu_arithmetic() -> None:
     assert peak_flops("NVIDIA H200") == 989.4e12 and peak_flops("NVIDIA GH200 480GB") == 989.4e12
     assert peak_flops("NVIDIA A100-SXM4-40GB") == 312e12 and peak_flops("NVIDIA A100 80GB PCIe") == 312e12
     assert peak_flops("NVIDIA A10") == 125e12 and peak_flops("NVIDIA L4") == 121e12
+    # the NVL parts run at lower clocks than the SXM ones: no peak rather than the SXM's (it had been 989.4e12)
+    assert peak_flops("NVIDIA H100 NVL") is None and peak_flops("NVIDIA H200 NVL") is None
     assert peak_flops("NVIDIA L40S") == 362.1e12
     assert peak_flops("NVIDIA H100 80GB HBM3", torch.float16) == 989.4e12
     assert peak_flops("NVIDIA H100 80GB HBM3", torch.float32) is None
@@ -427,6 +429,9 @@ def test_precision_overrules_the_devices_by_the_runtimes_rules(tmp_path, monkeyp
     ("Memcpy HtoD (Pageable -> Device)", "copies and fills"), ("aten::copy_", "copies and fills"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "copies and fills"),
     ("aten::mul", "other element-wise and framework"), ("aten::view", "other element-wise and framework"),
+    # an autograd node's own time is the framework's; its product is the aten::mm below it (it counted as a product)
+    ("autograd::engine::evaluate_function: AddmmBackward0", "other element-wise and framework"),
+    ("AddmmBackward0", "other element-wise and framework"), ("BmmBackward0", "other element-wise and framework"),
 ])
 def test_step_kind_names_the_work_of_cpu_operations_and_gpu_kernels(name, kind) -> None:
     from annotated_transformer.performance import step_kind
