@@ -39,9 +39,11 @@ def set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(cuda_state, index)
 
 
-def write_atomically(path, write, *, mode: str = "wb") -> Path:
+def write_atomically(path, write, *, mode: str = "wb", new: bool = False) -> Path:
     """Write ``path`` atomically: ``write(stream)`` on a temporary file beside it, then
-    a rename (``mode`` "wb", or "w": UTF-8); a failure leaves nothing behind."""
+    a rename (``mode`` "wb", or "w": UTF-8); a failure leaves nothing behind. ``new``:
+    a link instead of the rename, which raises FileExistsError rather than replace a
+    file that another process made meanwhile."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(
@@ -55,7 +57,16 @@ def write_atomically(path, write, *, mode: str = "wb") -> Path:
             write(stream)
             stream.flush()
             os.fsync(stream.fileno())
-        os.replace(temporary, path)
+        if new:  # os.link, unlike os.replace, refuses a path that exists
+            try:
+                os.link(temporary, path)
+            except FileExistsError:
+                raise
+            except OSError:  # a file system without hard links: the rename after all
+                os.replace(temporary, path)
+            Path(temporary).unlink(missing_ok=True)
+        else:
+            os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise

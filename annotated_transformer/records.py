@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -45,14 +46,28 @@ def run_experiment(config, checkpoint_dir, *, device=None, amp=None,
     return {"split": SPLITS["test"], "greedy": greedy, "beam": beam}, trained
 
 
-def write_json(path, data) -> Path:
+def json_ready(value):
+    """``value`` with each float that JSON cannot hold (nan, inf: a diverged run's
+    loss) as None, which it can."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(item) for item in value]
+    return value
+
+
+def write_json(path, data, *, new: bool = False) -> Path:
     """Write ``data`` as indented UTF-8 JSON, atomically (``write_atomically`` of the
-    checkpoints appendix)."""
-    text = json.dumps(data, indent=1, ensure_ascii=False) + "\n"
-    return write_atomically(path, lambda stream: stream.write(text), mode="w")
+    checkpoints appendix); ``new``: a FileExistsError rather than replace a file."""
+    text = json.dumps(json_ready(data), indent=1, ensure_ascii=False,
+                      allow_nan=False) + "\n"  # NaN and Infinity are not JSON
+    return write_atomically(path, lambda stream: stream.write(text), mode="w",
+                            new=new)
 
 
-def write_results(path, results: dict) -> Path:
+def write_results(path, results: dict, *, new: bool = False) -> Path:
     """Write a run's ``results`` as JSON, without the ``hypotheses`` of its scores (the
     record keeps the test translations once, under ``translations``); the rows of the
     validation sweep, a list, keep theirs for the paired bootstrap."""
@@ -63,7 +78,7 @@ def write_results(path, results: dict) -> Path:
             }
         return value
 
-    return write_json(path, strip(results))
+    return write_json(path, strip(results), new=new)
 
 
 def thin(history: dict, points: int = 400) -> dict:
@@ -227,19 +242,35 @@ def recorded_folder(path) -> Path | None:
         return None
 
 
-def check_results_path(path, checkpoint_dir=None) -> Path:
+def same_curve(path, folder) -> bool:
+    """Whether the record at ``path`` holds a validation curve, every point of which
+    the run ``folder``'s valid.json holds too: an earlier part of this very run."""
+    try:
+        curve = json.loads(Path(path).read_text(encoding="utf-8"))["valid"]
+        stored = json.loads((Path(folder) / "valid.json").read_text(encoding="utf-8"))
+        points = dict(zip(stored["step"], stored["loss"], strict=True))
+        return bool(curve["step"]) and all(  # losses to the last bit: no other run's
+            points.get(step) == loss
+            for step, loss in zip(curve["step"], curve["loss"], strict=True))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def check_results_path(path, checkpoint_dir=None, *, resume=False) -> Path:
     """Refuse, before a run, a results path that is a folder, lies where nothing can be
     written, is or lies in the run's folder ``checkpoint_dir``, or is a file that is not
-    this run's own record (another run's record is never replaced)."""
+    this run's own record: a resumed run's, whose command names its folder and whose
+    validation curve is the folder's (another run's record is never replaced)."""
     path = Path(path)
     run = None if checkpoint_dir is None else Path(checkpoint_dir).resolve()
     owner = recorded_folder(path) if path.is_file() else None
-    if path.is_file() and (run is None or owner is None or owner.resolve() != run):
-        # a relative folder is relative to where that run started, not to here
-        where = "" if owner is None or owner.is_absolute() else (
-            ", relative to the folder it was started in, where it resumes")
-        what = (f"the record of another run (its folder: {owner}{where})" if owner
-                else "a file that is not a record of this run")
+    named = owner is not None and run is not None and owner.resolve() == run
+    if path.is_file() and not (named and resume and same_curve(path, run)):
+        other = f"the record of another run (its folder: {owner})"
+        what = ("the record of an earlier run in this folder, or of another run in a "
+                "folder of the same name (its validation curve is not this folder's)"
+                if named else other if owner else
+                "a file that is not a record of this run")
         raise ValueError(f"the results file {path} exists and is {what}: name a new "
                          "file, or delete this one first")
     if run is not None and (path.resolve() == run or run in path.resolve().parents):
@@ -262,12 +293,12 @@ def check_results_path(path, checkpoint_dir=None) -> Path:
     return path
 
 
-def unclaimed(results_path, checkpoint_dir, log=print) -> Path:
+def unclaimed(results_path, checkpoint_dir, log=print, *, resume=False) -> Path:
     """``results_path`` if it may still take this run's record, else a new name beside
     it: another run may have written it since the check before training."""
     path = Path(results_path)
     try:
-        return check_results_path(path, checkpoint_dir)
+        return check_results_path(path, checkpoint_dir, resume=resume)
     except ValueError as error:  # keep both records
         number = os.getpid()
         while (beside := path.with_name(f"{path.stem}-{number}{path.suffix}")).exists():
@@ -291,7 +322,7 @@ def record_experiment(
     bootstrap of the test scores; returns (record, trained). The file keeps the test
     translations once (``translations``)."""
     if results_path is not None:
-        check_results_path(results_path, checkpoint_dir)
+        check_results_path(results_path, checkpoint_dir, resume=options.get("resume"))
     started, device = time.perf_counter(), get_device(device)
     # resumed from a checkpoint (--resume in a folder without one starts at step 0)
     resumed = bool(options.get("resume") and checkpoint_dir
@@ -322,7 +353,10 @@ def record_experiment(
     record["total_seconds"] = round(time.perf_counter() - started, 1)  # this call's
     if resumed:  # train_seconds sums every part; total_seconds, this one
         record["resumed"] = True
-    if results_path is not None:
-        path = unclaimed(results_path, checkpoint_dir, log)  # checked again
-        log(f"results: {write_results(path, record)}")
+    while results_path is not None:  # checked again; a new file is made, not replaced
+        path = unclaimed(results_path, checkpoint_dir, log, resume=resumed)
+        own = resumed and same_curve(path, checkpoint_dir)  # an earlier part's record
+        with contextlib.suppress(FileExistsError):  # another run's, since: again
+            log(f"results: {write_results(path, record, new=not own)}")
+            break
     return record, trained

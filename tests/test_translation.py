@@ -498,29 +498,42 @@ def test_a_results_path_that_cannot_be_written_is_refused_before_training(enviro
 
 
 def test_a_results_file_of_another_run_is_never_replaced(tmp_path, monkeypatch):
+    """A record was taken as this run's own when its command named a folder of the same name, read from here: a new
+    run in a folder of the same name (a reader's runs/laptop, say) replaced it. Now only a resumed run whose folder's
+    validation curve is the record's may rewrite it."""
     from annotated_transformer.records import check_results_path
 
     monkeypatch.chdir(tmp_path)
+    curve = {"step": [5, 10], "loss": [2.5, 2.0]}
     record = tmp_path / "record.json"
     record.write_text(json.dumps({"command": "python -m annotated_transformer train --task multi30k "
-                                             "--checkpoint-dir 'runs/my run' --results record.json"}))
-    assert check_results_path(record, "runs/my run") == record               # its own run, evaluated again
+                                             "--checkpoint-dir 'runs/my run' --results record.json", "valid": curve}))
+    (tmp_path / "runs" / "my run").mkdir(parents=True)
+    (tmp_path / "runs" / "my run" / "valid.json").write_text(json.dumps({"step": [5, 10, 15], "loss": [2.5, 2.0, 1.9]}))
+    assert check_results_path(record, "runs/my run", resume=True) == record  # its own run, resumed
+    with pytest.raises(ValueError, match="exists and is the record of an earlier run in this folder, or of another "
+                                         "run in a folder of the same name"):
+        check_results_path(record, "runs/my run")  # a new run: never over the record of the last one
     for folder in ("runs/other", None):
-        with pytest.raises(ValueError, match=r"exists and is the record of another run \(its folder: runs/my run, "
-                                             r"relative to the folder it was started in, where it resumes\)"):
-            check_results_path(record, folder)
-    elsewhere = tmp_path / "elsewhere"  # the same run, from another working folder: refused, and the message says
-    elsewhere.mkdir()                   # where that run resumes
-    monkeypatch.chdir(elsewhere)
-    with pytest.raises(ValueError, match="relative to the folder it was started in"):
-        check_results_path(record, tmp_path / "runs" / "my run")
+        with pytest.raises(ValueError, match=r"exists and is the record of another run \(its folder: runs/my run\)"):
+            check_results_path(record, folder, resume=True)
+    elsewhere = tmp_path / "elsewhere" / "runs" / "my run"  # another run, in a folder of the same name elsewhere
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "valid.json").write_text(json.dumps({"step": [5, 10], "loss": [2.6, 2.1]}))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="its validation curve is not this folder's"):
+        check_results_path(record, "runs/my run", resume=True)
+    (elsewhere / "valid.json").unlink()  # a folder without a curve proves nothing either
+    with pytest.raises(ValueError, match="its validation curve is not this folder's"):
+        check_results_path(record, "runs/my run", resume=True)
     absolute = tmp_path / "absolute.json"  # a run named by an absolute folder resumes from anywhere
     absolute.write_text(json.dumps({"command": f"python -m annotated_transformer train --checkpoint-dir "
-                                               f"{shlex.quote(str(tmp_path / 'runs' / 'abs'))} --results absolute.json"}))
-    assert check_results_path(absolute, tmp_path / "runs" / "abs") == absolute
+                                               f"{shlex.quote(str(tmp_path / 'runs' / 'my run'))} "
+                                               "--results absolute.json", "valid": curve}))
+    assert check_results_path(absolute, tmp_path / "runs" / "my run", resume=True) == absolute
     (tmp_path / "notes.txt").write_text("my notes")
     with pytest.raises(ValueError, match="exists and is a file that is not a record of this run"):
-        check_results_path(tmp_path / "notes.txt", "runs/my run")
+        check_results_path(tmp_path / "notes.txt", "runs/my run", resume=True)
     assert (tmp_path / "notes.txt").read_text() == "my notes"
 
 
@@ -550,6 +563,32 @@ def test_a_record_written_meanwhile_by_another_run_is_kept_and_ours_goes_beside_
     assert any(f"this run's record goes to {ours}" in line for line in said)
 
 
+def test_a_record_is_never_renamed_over_a_file_made_after_the_last_check(environment, tmp_path, monkeypatch):
+    """Between the last check and the rename, another run could write the results file, and os.replace put this
+    run's record over it. A new record is now linked into place, which refuses a path that exists."""
+    from annotated_transformer import records
+    from annotated_transformer.checkpoints import write_atomically
+
+    target, real, paths = tmp_path / "results.json", records.unclaimed, []
+    other = {"command": "python -m annotated_transformer train --checkpoint-dir other --results results.json"}
+
+    def late(*args, **kwargs):
+        paths.append(real(*args, **kwargs))
+        if len(paths) == 1:  # the other run writes it just after this run's last check
+            target.write_text(json.dumps(other))
+        return paths[-1]
+
+    monkeypatch.setattr(records, "unclaimed", late)
+    config = translation_config("quick", **{**TINY, "steps": 10, "eval_every": 5})
+    record_experiment(config, tmp_path / "run", results_path=target, device="cpu", log=lambda message: None)
+    assert json.loads(target.read_text()) == other  # kept
+    assert paths[0] == target and paths[1] == tmp_path / f"results-{os.getpid()}.json"
+    assert json.loads(paths[1].read_text())["config"]["steps"] == 10
+    with pytest.raises(FileExistsError):
+        write_atomically(target, lambda stream: stream.write(b"{}"), new=True)
+    assert json.loads(target.read_text()) == other and not list(tmp_path.glob(".*.tmp"))
+
+
 def test_a_records_run_folder_is_read_from_either_form_of_the_option_and_never_from_stdin(tmp_path, monkeypatch):
     """`--checkpoint-dir=PATH` is the same run as `--checkpoint-dir PATH`; a record without a command (one made
     from Python) names no run, without reading standard input (shlex.split(None) does on Python 3.11)."""
@@ -559,15 +598,18 @@ def test_a_records_run_folder_is_read_from_either_form_of_the_option_and_never_f
 
     monkeypatch.chdir(tmp_path)
     record = tmp_path / "record.json"
+    curve = {"step": [5], "loss": [2.5]}
     record.write_text(json.dumps({"command": "python -m annotated_transformer train "
-                                             "--checkpoint-dir=runs/mine --results record.json"}))
+                                             "--checkpoint-dir=runs/mine --results record.json", "valid": curve}))
+    (tmp_path / "runs" / "mine").mkdir(parents=True)
+    (tmp_path / "runs" / "mine" / "valid.json").write_text(json.dumps(curve))
     assert recorded_folder(record) == Path("runs/mine")  # as named: relative to where the run started
-    assert check_results_path(record, "runs/mine") == record
+    assert check_results_path(record, "runs/mine", resume=True) == record
     monkeypatch.setattr("sys.stdin", io.StringIO("--checkpoint-dir runs/mine"))  # must not be read
     record.write_text(json.dumps({"command": None}))
     assert recorded_folder(record) is None
     with pytest.raises(ValueError, match="exists and is a file that is not a record of this run"):
-        check_results_path(record, "runs/mine")
+        check_results_path(record, "runs/mine", resume=True)
 
 
 # valid.json: written atomically, and a damaged one is reported by name ---------------------------------------------
