@@ -251,9 +251,10 @@ def format_tables(results: dict) -> str:
 MAX_THREADS_PER_CPU = 4  # the most threads `--threads` may ask for, per CPU
 
 
-def check_json_path(path) -> None:
+def check_json_path(path, device_name: str | None = None) -> None:
     """Refuse to replace a file at ``path`` that is not a benchmark's record (a
-    translation run's, say): another kind of record is never replaced."""
+    translation run's, say), or is one of another device than ``device_name`` (which
+    this machine cannot make again): another kind of record is never replaced."""
     if path is not None and Path(path).is_dir():  # refused before the benchmark runs
         raise ValueError(f"--json {path} is a folder: name a file in it")
     if path is None or not Path(path).is_file():
@@ -266,6 +267,10 @@ def check_json_path(path) -> None:
             and "device_name" in old["meta"]):
         raise ValueError(f"--json {path} exists and is not a benchmark's record: name "
                          "a new file, or delete this one first")
+    if device_name is not None and old["meta"]["device_name"] != device_name:
+        raise ValueError(f"--json {path} is the benchmark record of another device "
+                         f"({old['meta']['device_name']}; this run: {device_name}): "
+                         "name a new file, or delete this one first")
 
 
 def run(
@@ -299,15 +304,19 @@ def run(
                              f"({MAX_THREADS_PER_CPU} per CPU), got {threads}")
         torch.set_num_threads(threads)
     device = get_device(device)  # a ValueError: one line from the command line's main
+    check_json_path(json_path, describe_device(device))
     if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
         raise ValueError("--clock cpu needs --device cpu and one thread (--threads 1)")
     dtype = None if precision is None else choose_precision(device, precision).dtype
     results = run_benchmarks(device, smoke=smoke, sections=tuple(sections), dtype=dtype,
                              compile=compile, clock=clock, batch_sizes=batch_sizes)
     results["meta"]["command"] = command_line()
+    if json_path is not None:  # first: a closed standard output must not lose it
+        check_json_path(json_path, results["meta"]["device_name"])  # again, at the end
+        saved = write_json(json_path, results)
     print(format_tables(results))
     if json_path is not None:
-        print(f"\nsaved {write_json(json_path, results)}")
+        print(f"\nsaved {saved}")
     return 0
 
 

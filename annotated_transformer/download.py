@@ -184,6 +184,9 @@ def fetch(
     local = directory if directory is not None else os.environ.get(DATA_ENV)
     if local:
         path = Path(local) / name
+        if Path(local).exists() and not Path(local).is_dir():  # no file goes in a file
+            source = "the directory argument" if directory is not None else DATA_ENV
+            raise ValueError(f"{local} (set by {source}) is a file, not a folder")
         if not path.exists():
             source, instead = (("the directory argument", "pass no directory")
                                if directory is not None

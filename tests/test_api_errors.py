@@ -520,3 +520,41 @@ def test_the_generator_embeddings_and_layer_norm_name_what_they_cannot_take():
         Embeddings(8, 11)([[1, 2]])
     with pytest.raises(ValueError, match="eps must be a non-negative float, got '1e-6'"):
         LayerNorm(8, eps="1e-6")
+
+
+def test_the_benchmark_never_replaces_another_devices_record(tmp_path):
+    """bench --json replaced any benchmark record, a GPU's included, from any machine; now only one of the same device,
+    which this machine can make again. The record is written before the tables are printed, so that a closed standard
+    output (bench ... | head) no longer loses it."""
+    import json
+
+    from annotated_transformer.runtime import describe_device
+
+    path = tmp_path / "bench_gpu.json"
+    gpu = {"meta": {"device_name": "cuda (NVIDIA H100 80GB HBM3)"}, "training": []}
+    path.write_text(json.dumps(gpu))
+    with pytest.raises(ValueError, match=r"is the benchmark record of another device \(cuda \(NVIDIA H100"):
+        bench.run(smoke=True, device="cpu", sections=("layers",), json_path=path)
+    assert json.loads(path.read_text()) == gpu
+    mine = tmp_path / "bench_cpu.json"
+    mine.write_text(json.dumps({"meta": {"device_name": describe_device("cpu")}, "layers": []}))
+    assert bench.run(smoke=True, device="cpu", sections=("layers",), json_path=mine) == 0  # its own device: again
+    assert json.loads(mine.read_text())["layers"]
+
+
+def test_records_hold_json_only_and_a_data_folder_that_is_a_file_is_named(tmp_path):
+    """A diverged run's NaN loss was written as NaN, which JSON parsers other than Python's refuse; a data 'folder'
+    that is a file got the advice to put the Multi30k file in it."""
+    import json
+    import math
+
+    from annotated_transformer.download import fetch
+    from annotated_transformer.records import write_results
+
+    path = write_results(tmp_path / "run.json", {"history": {"loss": [2.5, math.nan]}, "test": {"bleu": math.inf}})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"history": {"loss": [2.5, None]}, "test": {"bleu": None}}
+    (tmp_path / "data").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"data \(set by the directory argument\) is a file, not a folder"):
+        fetch("val.de.gz", directory=tmp_path / "data")
