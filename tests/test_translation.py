@@ -99,7 +99,7 @@ def test_config_profiles_and_overrides():
         with pytest.raises(ValueError, match=r"length_penalty must lie in \[0, 10\]"):
             translation_config("quick", length_penalty=alpha)
     assert translation_config("quick", length_penalty=10.0).length_penalty == 10.0
-    with pytest.raises(ValueError, match="smoothing must lie in"):
+    with pytest.raises(ValueError, match="smoothing must be a probability in"):
         TranslationConfig(**dict(asdict(PROFILES["quick"]), smoothing=1.0))
     with pytest.raises(TypeError, match="max_tokens must be an int"):
         translation_config("quick", max_tokens=1000.0)
