@@ -46,6 +46,8 @@ positive_int, non_negative_int = at_least(1), at_least(0)
 MOST_STEPS = 10**9  # years of training on one GPU: a larger count is a typo
 step_count = checked(int, lambda value: 1 <= value <= MOST_STEPS,
                      f"a positive integer up to {MOST_STEPS:,}")
+micro_batch_count = checked(  # a step's micro-batches are all made before it: memory
+    int, lambda value: 1 <= value <= 1024, "an integer from 1 to 1,024")
 positive_number = checked(
     float, lambda value: math.isfinite(value) and value > 0, "a positive finite number"
 )
@@ -143,7 +145,7 @@ def add_train(subparsers) -> None:
                         help="optimiser steps in total (default: by profile)")
     parser.add_argument(
         "--accumulation-steps",
-        type=positive_int,
+        type=micro_batch_count,
         help="micro-batches per optimiser step (default: 1)",
     )
     parser.add_argument(

@@ -96,7 +96,11 @@ CASES = [
     ("d-ff-zero", train("--d-ff", "0"), usage("--d-ff", "0", POSITIVE), None),
     ("heads-zero", train("--heads", "0"), usage("--heads", "0", POSITIVE), None),
     ("warmup-zero", train("--warmup", "0"), usage("--warmup", "0", STEP_COUNT), None),
-    ("accumulation-zero", train("--accumulation-steps", "0"), usage("--accumulation-steps", "0", POSITIVE), None),
+    ("accumulation-zero", train("--accumulation-steps", "0"),
+     usage("--accumulation-steps", "0", "an integer from 1 to 1,024"), None),
+    # a million micro-batches were all made before the first step: memory ran out, and no signal stopped it
+    ("accumulation-huge", train("--accumulation-steps", "1000000"),
+     usage("--accumulation-steps", "1000000", "an integer from 1 to 1,024"), None),
     ("seed-negative", train("--seed", "-1"), usage("--seed", "-1", "an integer in [0, 2**32)"), None),
     ("seed-word", train("--seed", "abc"), usage("--seed", "abc", "an integer in [0, 2**32)"), None),
     ("checkpoint-every-zero", train("--checkpoint-every", "0"), usage("--checkpoint-every", "0", POSITIVE), None),
