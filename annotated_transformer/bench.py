@@ -251,7 +251,7 @@ def format_tables(results: dict) -> str:
 MAX_THREADS_PER_CPU = 4  # the most threads `--threads` may ask for, per CPU
 
 
-def check_json_path(path, device_name: str | None = None) -> None:
+def check_json_path(path, device_name: str) -> None:
     """Refuse to replace a file at ``path`` that is not a benchmark's record (a
     translation run's, say), or is one of another device than ``device_name`` (which
     this machine cannot make again): another kind of record is never replaced."""
@@ -267,7 +267,7 @@ def check_json_path(path, device_name: str | None = None) -> None:
             and "device_name" in old["meta"]):
         raise ValueError(f"--json {path} exists and is not a benchmark's record: name "
                          "a new file, or delete this one first")
-    if device_name is not None and old["meta"]["device_name"] != device_name:
+    if old["meta"]["device_name"] != device_name:
         raise ValueError(f"--json {path} is the benchmark record of another device "
                          f"({old['meta']['device_name']}; this run: {device_name}): "
                          "name a new file, or delete this one first")
@@ -295,7 +295,6 @@ def run(
     if compile and not {"training", "profile"} & set(sections):
         raise ValueError("--compile compiles the training step: run the training or "
                          "profile section")
-    check_json_path(json_path)
     if threads is not None:
         # far more would only thrash (and 100,000 threads crash PyTorch's pool)
         most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
