@@ -241,6 +241,9 @@ class KVCache:
         if self.static or self.key is None:
             self.key, self.value = key, value
         else:
+            if key.size(0) != self.key.size(0):  # else torch.cat's shape error
+                raise ValueError(f"the cache holds {self.key.size(0)} rows, this step "
+                                 f"{key.size(0)}: reorder it when the batch changes")
             self.key = torch.cat([self.key, key], dim=2)
             self.value = torch.cat([self.value, value], dim=2)
         return self.key, self.value

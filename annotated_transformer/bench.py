@@ -251,10 +251,11 @@ def format_tables(results: dict) -> str:
 MAX_THREADS_PER_CPU = 4  # the most threads `--threads` may ask for, per CPU
 
 
-def check_json_path(path, device_name: str) -> None:
+def check_json_path(path, meta: dict, sections) -> None:
     """Refuse to replace a file at ``path`` that is not a benchmark's record (a
-    translation run's, say), or is one of another device than ``device_name`` (which
-    this machine cannot make again): another kind of record is never replaced."""
+    translation run's, say), or one that holds what this run (its ``meta`` and
+    ``sections``) would not measure again: another device's, or thread count's, full
+    sizes, or another section. Another kind of record is never replaced."""
     if path is not None and Path(path).is_dir():  # refused before the benchmark runs
         raise ValueError(f"--json {path} is a folder: name a file in it")
     if path is None or not Path(path).is_file():
@@ -267,10 +268,18 @@ def check_json_path(path, device_name: str) -> None:
             and "device_name" in old["meta"]):
         raise ValueError(f"--json {path} exists and is not a benchmark's record: name "
                          "a new file, or delete this one first")
-    if old["meta"]["device_name"] != device_name:
-        raise ValueError(f"--json {path} is the benchmark record of another device "
-                         f"({old['meta']['device_name']}; this run: {device_name}): "
-                         "name a new file, or delete this one first")
+    lost = [name for name, rows in old.items()
+            if rows and name not in {*sections, "meta"}]
+    why = (f"the benchmark record of another device or thread count "
+           f"({old['meta']['device_name']}; this run: {meta['device_name']})"
+           if old["meta"]["device_name"] != meta["device_name"]
+           else "a record of full sizes, which --smoke would replace"
+           if meta["smoke"] and not old["meta"].get("smoke")
+           else f"a record of {', '.join(lost)} too, which this run does not measure"
+           if lost else None)
+    if why:
+        raise ValueError(f"--json {path} is {why}: name a new file, or delete this "
+                         "one first")
 
 
 def run(
@@ -303,7 +312,8 @@ def run(
                              f"({MAX_THREADS_PER_CPU} per CPU), got {threads}")
         torch.set_num_threads(threads)
     device = get_device(device)  # a ValueError: one line from the command line's main
-    check_json_path(json_path, describe_device(device))
+    check_json_path(json_path, dict(device_name=describe_device(device), smoke=smoke),
+                    sections)
     if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
         raise ValueError("--clock cpu needs --device cpu and one thread (--threads 1)")
     dtype = None if precision is None else choose_precision(device, precision).dtype
@@ -311,7 +321,7 @@ def run(
                              compile=compile, clock=clock, batch_sizes=batch_sizes)
     results["meta"]["command"] = command_line()
     if json_path is not None:  # first: a closed standard output must not lose it
-        check_json_path(json_path, results["meta"]["device_name"])  # again, at the end
+        check_json_path(json_path, results["meta"], sections)  # again, at the end
         saved = write_json(json_path, results)
     print(format_tables(results))
     if json_path is not None:

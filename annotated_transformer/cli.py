@@ -18,9 +18,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from annotated_transformer import __version__
-from annotated_transformer.download import (RELEASE_URL, check_places, decode_lines,
-                                            download_model, error_line, read_parallel,
-                                            read_stream)
+from annotated_transformer.download import (OPTION_OF, RELEASE_URL, check_places,
+                                            decode_lines, download_model, error_line,
+                                            read_parallel, read_stream)
 
 
 def checked(kind, allowed, expected: str):
@@ -167,7 +167,9 @@ def add_train(subparsers) -> None:
     parser.add_argument(
         "--dropout",
         type=probability,
-        help="residual dropout probability (default: by profile)",
+        help="dropout probability (default: by profile): every dropout of the copy "
+        "task's model; the residual one for multi30k, whose attention and activation "
+        "dropouts are options of their own",
     )
     parser.add_argument("--warmup", type=step_count,
                         help="warm-up steps of the schedule (default: by profile)")
@@ -251,9 +253,9 @@ def add_train(subparsers) -> None:
 
 EVERY_TASK = {"command", "run", "task", "profile", "device", "amp", "amp_dtype",
               "checkpoint_dir", "resume", "progress", "compile"}
-OPTION_OF = {"N": "layers", "h": "heads"}  # the settings whose option has another name
-# for --task multi30k
-INSTEAD = {"batch_size": " (use --max-tokens)", "keep_last": " (it keeps --average)"}
+# for --task multi30k; for copy, the switches either way they were typed
+INSTEAD = {"batch_size": " (use --max-tokens)", "keep_last": " (it keeps --average)",
+           "norm_first": "/--no-norm-first", "sweep": "/--no-sweep"}
 
 
 def task_settings(args, settings, *, also=()) -> dict:
@@ -444,6 +446,7 @@ def translation_config_from_args(args):
     from annotated_transformer.translation import SETTINGS, translation_config
 
     settings = task_settings(args, SETTINGS, also=["results", "no_clock"])
+    length_penalty(args)  # refuses --length-penalty with --beam-size 1
     config = translation_config(args.profile, **settings)
     if args.no_clock:  # None would keep the profile's clock: replace it
         if settings["minutes"] is not None:
@@ -507,7 +510,8 @@ def add_bench(subparsers) -> None:
                         help="also time both models compiled, in the training section "
                         "(and profile our step compiled, in the profile section)")
     parser.add_argument("--batch-sizes", nargs="+", type=positive_int, metavar="N",
-                        help="the decoding section's batch sizes (default: 1 64)")
+                        help="the decoding section's batch sizes (default: 1 64; "
+                             "with --smoke, 1 4)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"),
                         help="the arithmetic timed (default: training's on the device)")
     timing = parser.add_argument_group("timing")
@@ -827,8 +831,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-USER_ERRORS = (ValueError, OSError, MemoryError)  # caused by input or environment
-NO_MEMORY = ("can't allocate memory", "out of memory")  # the allocators' RuntimeErrors
+USER_ERRORS = (ValueError, OSError, MemoryError,  # caused by input or environment, and
+               ModuleNotFoundError)  # a missing tool (`tangle` without jupytext)
+NO_MEMORY = ("can't allocate memory", "out of memory",  # the allocators' RuntimeErrors
+             "not enough memory",  # Windows' words
+             "Storage size calculation overflowed")  # sizes past what a tensor holds
 
 
 def terminate(signum, frame) -> None:  # SIGTERM or SIGHUP: as Ctrl-C (`finally` runs)

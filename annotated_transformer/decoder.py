@@ -171,6 +171,9 @@ class StaticDecoderCache:
     def __init__(self, decoder, memory, max_len: int, rows_per_sentence: int = 1):
         check_size("max_len", max_len)
         check_size("rows_per_sentence", rows_per_sentence)
+        if memory.dim() != 3 or memory.size(-1) != decoder.size:
+            raise ValueError(f"memory must have shape (batch, length, {decoder.size}), "
+                             f"got {tuple(memory.shape)}")
         self.max_len = max_len
         self.position = torch.zeros((), dtype=torch.long, device=memory.device)
         self.slots = torch.arange(max_len, device=memory.device)

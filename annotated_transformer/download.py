@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import http.client
@@ -21,8 +22,7 @@ from pathlib import Path
 fcntl: types.ModuleType | None  # None where there is none (Windows)
 try:
     import fcntl                # POSIX: a live download holds a lock on its .part file
-# Windows has no fcntl; there, only the age of a .part file tells
-except ImportError:
+except ImportError:  # Windows has no fcntl: only the age of a .part file tells there
     fcntl = None
 
 
@@ -310,6 +310,7 @@ OUTPUTS = {"checkpoint_dir": ("checkpoints", True), "model_dir": ("the model", T
            "results": ("the results", False),
            "output": ("the translations", False), "json": ("the results", False)}
 INPUTS = {"checkpoint", "input", "source", "reference", "root"}  # the files read
+OPTION_OF = {"N": "layers", "h": "heads"}  # the settings whose option has another name
 
 
 def check_places(args) -> None:
@@ -374,7 +375,8 @@ def check_kept(path: Path, option: str, inputs: dict) -> None:
 
 def error_line(error: Exception, args) -> str:
     """The command line's one line for a user's ``error`` (a ValueError, an OSError, a
-    MemoryError, the allocator's RuntimeError), naming the files of its ``args``."""
+    MemoryError, the allocator's RuntimeError), naming the files of its ``args``, and a
+    setting by its option."""
     given = {k: v for k, v in (vars(args) if args is not None else {}).items() if v}
     files = {f"{value} (--{dest.replace('_', '-')})": dest in OUTPUTS
              for dest, value in given.items() if dest in {*OUTPUTS, *INPUTS}}
@@ -383,7 +385,12 @@ def error_line(error: Exception, args) -> str:
     if isinstance(error, RuntimeError) or bare:
         why = "MemoryError" if bare else error
         message = f"out of memory for the sizes asked for ({why})"
-    return "error: " + " ".join(str(message).splitlines())
+    line = " ".join(str(message).splitlines())
+    for dest in {*(vars(args) if args is not None else ())} - {"command", "run"}:
+        name = next((key for key, value in OPTION_OF.items() if value == dest), dest)
+        line = re.sub(rf"(?<![\w./`'-]){name}(?= \(| must | is \d)",
+                      f"--{dest.replace('_', '-')}", line)
+    return "error: " + line
 
 
 MODEL_FILES = ("average.pt", "tokenizer.model", "multi30k-laptop.json")
@@ -419,23 +426,26 @@ def download_model(url: str, folder) -> dict[str, Path]:
                                 f"{url} a release of the translator, a folder URL such "
                                 f"as {RELEASE_URL}?") from error
     sums = read_sums(text, url + MODEL_SUMS)
-    there = check_model_folder(folder, sums)  # each file hashed once
-    fetched = {}
-    for name in MODEL_FILES:
-        path = folder / name
-        remove_stale_parts(path)  # left by a download that was killed
-        if name not in there:
-            try:
-                download(url + name, path, name, expected=sums[name])
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
-                raise FileNotFoundError(
-                    f"could not download {url}{name} ({error}); nothing was saved to "
-                    f"{path}: run the command again to start it again") from error
-        fetched[name] = path
+    new = [name for name in MODEL_FILES if name not in check_model_folder(folder, sums)]
+    staging = folder / ".download"  # the new files, until all of them are there
+    for name in new:
+        remove_stale_parts(staging / name)  # left by a download that was killed
+        if (staging / name).is_file() and sha256(staging / name) == sums[name]:
+            continue  # fetched by an earlier call that broke off
+        try:
+            download(url + name, staging / name, name, expected=sums[name])
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+            raise FileNotFoundError(
+                f"could not download {url}{name} ({error}); {folder} is as it was: "
+                "run the command again to go on") from error
+    for name in new:  # only now: the folder holds one release, never a mix of two
+        os.replace(staging / name, folder / name)
+    with contextlib.suppress(OSError):
+        staging.rmdir()
     temporary = folder / f".{MODEL_SUMS}.tmp"  # last: the digests of what it now holds
     temporary.write_text(text, encoding="utf-8")
     os.replace(temporary, folder / MODEL_SUMS)
-    return fetched
+    return {name: folder / name for name in MODEL_FILES}
 
 
 TRAINING_FILE = re.compile(r"step_\d+\.pt|valid\.json|\.run\.lock")

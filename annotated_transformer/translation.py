@@ -153,7 +153,8 @@ def check_settings(config: TranslationConfig) -> None:
     if config.minutes is not None and config.minutes > MOST_MINUTES:
         raise ValueError(f"minutes must be at most {MOST_MINUTES:,}, got "
                          f"{config.minutes!r}")
-    for name, least in (("vocab_size", LEAST_VOCAB), ("max_len", LEAST_MAX_LEN)):
+    for name, least in (("vocab_size", LEAST_VOCAB), ("max_len", LEAST_MAX_LEN),
+                        ("max_tokens", config.max_len)):  # a batch holds a sentence
         if (value := getattr(config, name)) < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
     if config.d_model % 2:  # each position is pairs of sines and cosines

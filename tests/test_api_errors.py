@@ -533,13 +533,34 @@ def test_the_benchmark_never_replaces_another_devices_record(tmp_path):
     path = tmp_path / "bench_gpu.json"
     gpu = {"meta": {"device_name": "cuda (NVIDIA H100 80GB HBM3)"}, "training": []}
     path.write_text(json.dumps(gpu))
-    with pytest.raises(ValueError, match=r"is the benchmark record of another device \(cuda \(NVIDIA H100"):
+    with pytest.raises(ValueError, match=r"is the benchmark record of another device or thread count \(cuda \(NVIDIA H100"):
         bench.run(smoke=True, device="cpu", sections=("layers",), json_path=path)
     assert json.loads(path.read_text()) == gpu
     mine = tmp_path / "bench_cpu.json"
-    mine.write_text(json.dumps({"meta": {"device_name": describe_device("cpu")}, "layers": []}))
+    mine.write_text(json.dumps({"meta": {"device_name": describe_device("cpu"), "smoke": True}, "layers": []}))
     assert bench.run(smoke=True, device="cpu", sections=("layers",), json_path=mine) == 0  # its own device: again
     assert json.loads(mine.read_text())["layers"]
+
+
+@pytest.mark.parametrize("smoke, sections, why", [
+    (True, ("attention", "layers"), "a record of full sizes, which --smoke would replace"),
+    (False, ("layers",), "a record of attention too, which this run does not measure"),
+])
+def test_the_benchmark_never_replaces_what_it_would_not_measure_again(tmp_path, smoke, sections, why):
+    """A --smoke run replaced a full record of the same device, and an --only run dropped the record's other
+    sections: `bench --smoke --json book/results/bench_cpu.json` lost the book's measurements. Both are refused, before
+    anything is measured."""
+    import json
+
+    from annotated_transformer.runtime import describe_device
+
+    path = tmp_path / "bench_cpu.json"
+    full = {"meta": {"device_name": describe_device("cpu"), "smoke": False}, "attention": [{"ms": 1.0}],
+            "layers": [{"ms": 2.0}]}
+    path.write_text(json.dumps(full))
+    with pytest.raises(ValueError, match=f"is {why}: name a new file"):
+        bench.run(smoke=smoke, device="cpu", sections=sections, json_path=path)
+    assert json.loads(path.read_text()) == full
 
 
 def test_records_hold_json_only_and_a_data_folder_that_is_a_file_is_named(tmp_path):
@@ -558,3 +579,22 @@ def test_records_hold_json_only_and_a_data_folder_that_is_a_file_is_named(tmp_pa
     (tmp_path / "data").write_text("not a folder")
     with pytest.raises(ValueError, match=r"data \(set by the directory argument\) is a file, not a folder"):
         fetch("val.de.gz", directory=tmp_path / "data")
+
+
+def test_decoder_caches_refuse_memory_of_another_shape_and_a_batch_that_changed():
+    """StaticDecoderCache took memory of any shape (an unpacking error, or a matrix product's); a growing cache whose
+    batch changed without a reorder failed inside torch.cat."""
+    import torch
+
+    from annotated_transformer.decoder import DecoderCache, StaticDecoderCache
+
+    model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2).eval()
+    memory = torch.randn(2, 5, 16)
+    for bad in (memory[0], memory[..., :8]):
+        with pytest.raises(ValueError, match=r"memory must have shape \(batch, length, 16\), got"):
+            StaticDecoderCache(model.decoder, bad, max_len=8)
+    cache, y = DecoderCache(1), torch.randn(2, 3, 16)
+    with torch.no_grad():
+        model.decoder(y[:, :1], memory, None, None, cache)
+        with pytest.raises(ValueError, match="the cache holds 2 rows, this step 1: reorder it"):
+            model.decoder(y[:1, 1:2], memory[:1], None, None, cache)

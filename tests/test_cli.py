@@ -245,7 +245,9 @@ def test_each_task_refuses_the_options_it_would_not_use(capsys) -> None:
 
     assert main(["train", "--task", "copy", "--max-tokens", "500", "--no-sweep", "--keep-last", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --task copy does not use --max-tokens, --sweep") and "--keep-last" not in err
+    # named either way it may have been typed: --sweep or --no-sweep
+    assert err.startswith("error: --task copy does not use --max-tokens, --sweep/--no-sweep: leave them out"), err
+    assert "--keep-last" not in err
     args = build_parser(only="train").parse_args(["train", "--task", "multi30k", "--keep-last", "2"])
     with pytest.raises(ValueError, match="--task multi30k does not use --keep-last"):
         translation_config_from_args(args)
@@ -331,3 +333,33 @@ def test_refusals_and_help_need_no_pytorch() -> None:
         assert f"error: argument {option}: expected a positive" in done.stderr
     assert "error: argument --threads: expected a thread count from 1 to" in done.stderr
     assert "--split {test,train,valid}" in cli("evaluate", "--help").stdout
+
+
+@pytest.mark.parametrize("options, expected", [
+    (["--task", "copy", "--heads", "3"], "error: --d-model (32) must be divisible by --heads (3)"),
+    (["--task", "multi30k", "--vocab-size", "5"], "error: --vocab-size must be at least 8, got 5"),
+    (["--task", "multi30k", "--max-len", "2"], "error: --max-len must be at least 3, got 2"),
+    (["--task", "multi30k", "--max-tokens", "20"], "error: --max-tokens must be at least 30, got 20"),
+    (["--task", "multi30k", "--beam-size", "1", "--length-penalty", "2"],
+     "error: greedy search (--beam-size 1) uses no length penalty: leave out --length-penalty"),
+    (["--task", "copy", "--steps", "2", "--warmup", "1", "--batch-size", str(10**18)],
+     "error: out of memory for the sizes asked for (Storage size calculation overflowed"),
+])
+def test_train_refuses_in_one_line_naming_the_options_typed(tmp_path, capsys, options, expected) -> None:
+    """The configuration's refusals named its settings (h, vocab_size, max_len), not the options the user typed;
+    --max-tokens below --max-len passed until the batches were made, after the tokenizer; the final evaluation took a
+    length penalty that greedy search ignores; a batch too large for a tensor ended in a traceback."""
+    run = tmp_path / "run"
+    assert main(["train", "--profile", "quick", "--device", "cpu", "--no-progress", "--checkpoint-dir", str(run),
+                 *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and err.count("\n") == 1, err
+    assert not list(run.glob("step_*.pt"))
+
+
+def test_tangle_without_jupytext_says_so_in_one_line() -> None:
+    code = ("import sys; sys.modules['jupytext'] = None\n"  # makes `import jupytext` fail
+            "from annotated_transformer.cli import main\nprint(main(['tangle', '--check']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.stdout.strip() == "2", done.stdout + done.stderr
+    assert done.stderr.startswith("error: ") and "jupytext" in done.stderr and done.stderr.count("\n") == 1

@@ -142,7 +142,7 @@ CASES = [
      "(--results): a_file.txt is a file", None),
     # train: an option the task would not use is refused, not ignored; what depends on two options, by the config
     ("copy-refuses-translation-options", train("--vocab-size", "100", "--sweep", "--results", "r.json"),
-     "--task copy does not use --vocab-size, --sweep, --results", None),
+     "--task copy does not use --vocab-size, --sweep/--no-sweep, --results", None),
     ("multi30k-refuses-copy-options", multi30k("--batch-size", "8", "--seq-len", "5", "--keep-last", "2"),
      "--task multi30k does not use --keep-last (it keeps --average), --batch-size (use --max-tokens), --seq-len", None),
     # translate
@@ -227,7 +227,7 @@ IN_PROCESS = [
     ("embedding-init-unknown", multi30k("--embedding-init", "zeros"), "argument --embedding-init: invalid choice",
      None),
     ("decay-unknown", multi30k("--decay", "cosine"), "argument --decay: invalid choice: 'cosine'", None),
-    ("copy-heads-do-not-divide", train("--heads", "3"), "d_model (16) must be divisible by h (3)", None),
+    ("copy-heads-do-not-divide", train("--heads", "3"), "--d-model (16) must be divisible by --heads (3)", None),
     ("copy-laptop-profile", ["train", "--profile", "laptop", "--steps", "1", "--no-progress"],
      "--profile laptop is a profile of --task multi30k", None),
     ("copy-refuses-norm-first", train("--no-norm-first"), "--task copy does not use --norm-first", None),

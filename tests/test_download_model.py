@@ -1,5 +1,6 @@
 """`python -m annotated_transformer download-model` against a local web server that plays a release: fetched and
-verified, refused in one line when the bytes differ from their digest, and a useful line when there is no release."""
+verified, refused in one line when the bytes differ from their digest, a useful line when there is no release, and a
+download that fails halfway leaves the earlier release whole."""
 from __future__ import annotations
 
 import hashlib
@@ -103,3 +104,26 @@ def test_download_model_updates_an_earlier_download(release, tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "model" / "average.pt").read_bytes() == b"newer weights"
     assert (tmp_path / "model" / MODEL_SUMS).read_text() == (folder / MODEL_SUMS).read_text()
+
+
+def test_download_model_that_fails_halfway_leaves_the_earlier_release_whole(release, tmp_path):
+    """A new release whose second file fails after the first was fetched: the folder keeps the earlier release, not
+    the new weights beside the old tokenizer, and the next call completes the new one."""
+    folder, url = release
+    model = tmp_path / "model"
+    assert download(url, model).returncode == 0
+    before = {name: (model / name).read_bytes() for name in MODEL_FILES}
+    (folder / "average.pt").write_bytes(b"newer weights")
+    (folder / "tokenizer.model").write_bytes(b"newer pieces")
+    sums = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in MODEL_FILES}
+    (folder / MODEL_SUMS).write_text("".join(f"{sums[name]}  {name}\n" for name in MODEL_FILES))
+    (folder / "tokenizer.model").write_bytes(b"a broken copy")  # not what the sums say
+    done = download(url, model)
+    assert done.returncode == 2 and "tokenizer.model" in done.stderr, done.stderr
+    assert {name: (model / name).read_bytes() for name in MODEL_FILES} == before
+    (folder / "tokenizer.model").write_bytes(b"newer pieces")
+    done = download(url, model)
+    assert done.returncode == 0, done.stderr
+    assert (model / "average.pt").read_bytes() == b"newer weights"
+    assert (model / "tokenizer.model").read_bytes() == b"newer pieces"
+    assert sorted(path.name for path in model.iterdir()) == sorted([*MODEL_FILES, MODEL_SUMS])
