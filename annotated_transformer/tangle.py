@@ -141,6 +141,9 @@ def chapter_paths(root: Path) -> list[Path]:
             raise FileNotFoundError(f"_toc.yml lists {name}, but there is no {path}")
         if path.suffix == ".md":
             paths.append(path)
+    if not paths:  # an empty file: tangling would empty the package
+        raise ValueError(f"{toc_file} names no chapter: is it the book's table of "
+                         "contents?")
     return paths
 
 
@@ -257,7 +260,8 @@ sys.modules[__name__].__class__ = _Package
 def project_version(root: Path) -> str:
     """The ``version`` of the ``[project]`` table of ``root``'s pyproject.toml."""
     text = (root / "pyproject.toml").read_text(encoding="utf-8")
-    table = re.split(r"(?m)^\[", text.split("\n[project]\n", 1)[-1])[0]
+    after = re.split(r"(?m)^\[project\]\s*$", text, maxsplit=1)[-1]  # first line too
+    table = re.split(r"(?m)^\[", after)[0]
     found = re.search(r'(?m)^version\s*=\s*"([^"]+)"', table)
     if not found:
         raise ValueError(f"{root / 'pyproject.toml'} has no version in [project]")
@@ -342,9 +346,11 @@ def compare(root: Path, modules: dict[str, str]) -> list[str]:
             problems.append(
                 f"missing: {name} (the book produces it; it is not on disk)"
             )
-        elif path.read_text(encoding="utf-8") != text:
+        elif path.read_bytes() != text.encode("utf-8"):  # byte for byte: line ends too
             problems.append(f"stale: {name} (differs from what the book produces)")
-    for path in sorted((root / PACKAGE).glob("*.py")):
+    for path in sorted((root / PACKAGE).rglob("*.py*")):  # stubs, subpackages too
+        if path.suffix not in (".py", ".pyi") or "__pycache__" in path.parts:
+            continue
         name = path.relative_to(root).as_posix()
         if name not in modules:
             problems.append(f"orphan: {name} (no chapter produces it)")
@@ -375,7 +381,7 @@ def write_package(root: Path, modules: dict[str, str]) -> list[str]:
     written = []
     for name, text in sorted(modules.items()):
         path = root / name
-        if not path.exists() or path.read_text(encoding="utf-8") != text:
+        if not path.exists() or path.read_bytes() != text.encode("utf-8"):
             write_atomic(path, text)
             written.append(name)
     return written

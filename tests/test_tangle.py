@@ -153,6 +153,32 @@ def test_deleted_module_is_missing(synced: Path, pristine_modules: dict[str, str
     assert len(problems) == 1 and problems[0].startswith(f"missing: {MODULE}"), problems
 
 
+def test_the_check_is_byte_for_byte_and_tangling_repairs_any_module(synced: Path, pristine_modules) -> None:
+    """A module saved with CRLF line ends passed the check (text comparison reads CRLF as LF) and was never rewritten;
+    one saved in Latin-1 stopped the check and the tangle with a UnicodeDecodeError naming no file. A stub or a
+    subpackage written by hand was not an orphan. An empty _toc.yml emptied the package's public names."""
+    crlf, latin = synced / MODULE, synced / PACKAGE / "encoder.py"
+    crlf.write_bytes(crlf.read_bytes().replace(b"\n", b"\r\n"))
+    latin.write_bytes(latin.read_bytes() + b"# caf\xe9\n")
+    (synced / PACKAGE / "attention.pyi").write_text("def attention(*a): ...\n", encoding="utf-8")
+    (synced / PACKAGE / "extra").mkdir()
+    (synced / PACKAGE / "extra" / "helpers.py").write_text("x = 1\n", encoding="utf-8")
+    assert compare(synced, pristine_modules) == [
+        f"stale: {PACKAGE}/encoder.py (differs from what the book produces)",
+        f"stale: {MODULE} (differs from what the book produces)",
+        f"orphan: {PACKAGE}/attention.pyi (no chapter produces it)",
+        f"orphan: {PACKAGE}/extra/helpers.py (no chapter produces it)",
+    ]
+    assert sorted(write_package(synced, pristine_modules)) == [f"{PACKAGE}/encoder.py", MODULE]
+    assert crlf.read_bytes() == pristine_modules[MODULE].encode("utf-8")
+    assert latin.read_bytes() == pristine_modules[f"{PACKAGE}/encoder.py"].encode("utf-8")
+
+
+def test_the_version_is_read_from_a_project_table_on_the_first_line(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\nversion = "1.2"\n\n[tool.x]\nversion = "9"\n')
+    assert tangle.project_version(tmp_path) == "1.2"
+
+
 def test_tangler_is_a_fixed_point(pristine: Path, pristine_modules: dict[str, str]) -> None:
     assert pristine_modules[MODULE].encode("utf-8") == (pristine / MODULE).read_bytes()
 
@@ -397,7 +423,8 @@ def test_the_tangler_parses_no_arguments_itself_and_its_script_still_works(synce
     (lambda root: (root / "book/model.md").write_bytes(b"---\ntangle: a\n---\n# \xe4\n"),
      "book/model.md is not UTF-8 text"),
     (lambda root: (root / "book/model.md").unlink(), "_toc.yml lists book/model, but there is no"),
-], ids=["toc-yaml", "toc-not-utf8", "front-matter-yaml", "chapter-not-utf8", "chapter-deleted"])
+    (lambda root: (root / "_toc.yml").write_text("", encoding="utf-8"), "_toc.yml names no chapter"),
+], ids=["toc-yaml", "toc-not-utf8", "front-matter-yaml", "chapter-not-utf8", "chapter-deleted", "toc-empty"])
 def test_a_broken_book_is_one_line_naming_the_file(synced: Path, breakage, expected: str) -> None:
     breakage(synced)
     result = run_check(synced)
