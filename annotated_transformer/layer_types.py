@@ -47,7 +47,7 @@ class Convolution(nn.Module):
 
     def __init__(self, d: int, k: int = 3):
         super().__init__()
-        self.conv = nn.Conv1d(d, d, k, padding=k // 2)
+        self.conv = nn.Conv1d(d, d, k, padding="same")  # any k, even too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(x.transpose(1, 2)).transpose(1, 2)
