@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 # Chapters and tests run JOBS at a time; one math thread each keeps them from fighting over the cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: all setup lab book html test unit chapters site tangle check data bench clean
+.PHONY: all setup lab book html test test-everywhere unit chapters site tangle check data bench clean
 
 all: test
 
@@ -82,10 +82,14 @@ site: $(STAMP)
 # as that run executed them (none runs twice with the build tools), the site check.
 test: check data
 	rm -rf _build/executed
-	AT_REQUIRE_DATA=1 $(PY) -m pytest tests book -n $(JOBS) --dist loadfile --nbval-lax --nbval-current-env -m "not site" \
-		--save-executed _build/executed
+	AT_REQUIRE_DATA=1 $(PY) -m pytest tests book -n $(JOBS) --dist loadfile --nbval-lax --nbval-current-env \
+		-m "not site and not everywhere" --save-executed _build/executed
 	$(MAKE) --no-print-directory html EXECUTED=_build/executed
 	$(MAKE) --no-print-directory site
+
+# The long chapters that `make test` runs with the build tools only, again as plain scripts without them.
+test-everywhere: check data
+	AT_REQUIRE_DATA=1 $(PY) -m pytest tests -n $(JOBS) -m everywhere
 
 bench: $(STAMP)
 	$(PY) -m annotated_transformer bench

@@ -28,6 +28,15 @@ from annotated_transformer.tangle import chapter_paths  # noqa: E402
 
 CHAPTERS = [path.stem for path in chapter_paths(ROOT) if path.read_text(encoding="utf-8").startswith("---")]
 PLAIN = [name for name in CHAPTERS if name not in RUN_ALL]
+# Over 10 s each as scripts in a CI run (2 workers): about five minutes of work, which nbval has just done with the
+# build tools. `make test` runs the others (the same glue and imports without the build tools), and
+# `make test-everywhere` (a step of the workflow) these.
+LONG = ["questions", "recipe", "performance", "decoding", "copy_task", "sublayers", "trainer", "data", "training",
+        "model"]
+
+
+def test_the_long_chapters_are_chapters_run_as_scripts():
+    assert set(LONG) < set(PLAIN)
 
 
 def test_the_build_tools_are_unimportable_in_such_a_run():
@@ -46,7 +55,8 @@ def test_the_build_tools_are_unimportable_in_such_a_run():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chapter", PLAIN)
+@pytest.mark.parametrize("chapter", [pytest.param(name, marks=pytest.mark.everywhere) if name in LONG else name
+                                     for name in PLAIN])
 def test_chapter_runs_as_plain_python_without_the_build_tools(chapter, tmp_path):
     pytest.importorskip("jupytext")  # writing the script needs it; running it does not
     [script] = write(tmp_path, [chapter])
