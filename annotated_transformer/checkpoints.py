@@ -62,7 +62,8 @@ def write_atomically(path, write, *, mode: str = "wb", new: bool = False) -> Pat
                 os.link(temporary, path)
             except FileExistsError:
                 raise
-            except OSError:  # a file system without hard links: the rename after all
+            except OSError:  # no hard links: claim the name (or fail), rename over it
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
                 os.replace(temporary, path)
             Path(temporary).unlink(missing_ok=True)
         else:
@@ -107,10 +108,10 @@ def content_digest(state) -> str:
                 feed(item)
         elif isinstance(value, bytes):
             digest.update(f"bytes {len(value)}:".encode() + value)
-        elif value is None or isinstance(value, (bool, int, float, str)):
-            kind = next(
-                k for k in (bool, int, float, str, type(None)) if isinstance(value, k)
-            ).__name__
+        # these types exactly: NumPy's float64 is a float, but a checkpoint that holds
+        # one cannot be read back (weights_only)
+        elif value is None or type(value) in (bool, int, float, str):
+            kind = type(value).__name__
             text = float.hex(value) if isinstance(value, float) else str(value)
             digest.update(f"{kind} {len(text)}:{text}".encode())
         else:

@@ -198,11 +198,13 @@ SCRATCH = {"corpus.txt", "model.model", "model.vocab"}  # earlier versions' scra
 
 def remove_stale_scratch(folder: Path, older_than: float = STALE_SECONDS) -> list[Path]:
     """Remove, with a warning, what killed trainings left in the cache ``folder``:
-    scratch folders ``tmp*`` holding only ``SCRATCH`` files and temporary files
-    ``.joint-*.model.*.tmp``, once ``older_than`` seconds old."""
+    scratch folders named by mkdtemp (``tmp`` and 8 characters) holding only
+    ``SCRATCH`` files, and temporary files ``.joint-*.model.*.tmp``, once
+    ``older_than`` seconds old."""
     if not folder.is_dir():
         return []
-    found = [*(p for p in folder.glob("tmp*") if p.is_dir()),  # only these are ours:
+    found = [*(p for p in folder.glob("tmp*")  # mkdtemp's names only: these are ours
+               if p.is_dir() and re.fullmatch(r"tmp[a-z0-9_]{8}", p.name)),
              *(p for p in folder.glob(".joint-*.model.*.tmp") if p.is_file())]
     ours = [p for p in found  # a folder of other files, or an empty one, is not ours
             if not p.is_dir() or set() < {f.name for f in p.iterdir()} <= SCRATCH]
@@ -289,6 +291,8 @@ def collate(examples, indices=None, pad: int = PAD_ID, *, multiple: int = 1) -> 
     """The ``Batch`` of ``examples`` (or of ``examples[i] for i in indices``), padded
     with ``pad`` (to the widths of :func:`padded_lengths` with ``multiple``)."""
     check_size("multiple", multiple)
+    if indices is not None:  # read once (an iterator), and a tensor's as ints
+        indices = indices.tolist() if torch.is_tensor(indices) else list(indices)
     if indices is not None and not all(  # a bool mask would pick examples 1 and 0
             isinstance(i, numbers.Integral) and not isinstance(i, bool) and int(i) >= 0
             for i in indices):

@@ -135,7 +135,8 @@ def check_run_folder(
     older: dict | None = None,
 ) -> Path:
     """Check that ``directory`` is a writable folder (``config`` None: only that),
-    without a run's files for a new run, or agreeing with ``config`` when resumed."""
+    without a run's files for a new run, or agreeing with ``config`` when resumed (its
+    newest checkpoint's settings, or those of the file ``resume`` names)."""
     if not str(directory):  # Path("") would be the working folder
         raise ValueError("a run's folder must have a name, got ''")
     folder = Path(directory)
@@ -173,8 +174,10 @@ def check_run_folder(
         if resume is True:  # stopped before its first checkpoint: from step 0
             warnings.warn(f"{folder} holds no checkpoint, only {', '.join(others)}: "
                           "the run stopped before its first one, and starts again")
-        return folder
-    path, checkpoint = load_latest_checkpoint(folder, warn=False)
+        if not isinstance(resume, (str, os.PathLike)):
+            return folder
+        named: tuple[Path | None, dict | None] = (Path(resume), load_checkpoint(resume))
+    path, checkpoint = load_latest_checkpoint(folder, warn=False) if found else named
     if path is None or checkpoint is None:  # another process removed them meanwhile
         raise FileNotFoundError(f"the checkpoints of {folder} were removed while it "
                                 "was being checked")
@@ -190,7 +193,7 @@ def check_run_folder(
             for key in keys
         )
         raise ValueError(
-            f"{folder} holds a run with other settings ({path.name}): {details}; "
+            f"{path.parent} holds a run with other settings ({path.name}): {details}; "
             "resume with the same settings, or use another folder"
         )
     return folder
@@ -213,6 +216,13 @@ def check_checkpoint_dir(checkpoint_dir, resume, extra) -> None:
         raise ValueError(f"{folder} already holds checkpoints (the newest is "
                          f"{found[-1].name}): the files of a run; resume that run "
                          "(resume=True), or use another folder")
+    # resumed from an earlier step of the folder: the rotation would mix two histories
+    found = list_checkpoints(folder) if isinstance(resume, (str, os.PathLike)) else []
+    if found and not os.path.samefile(resume, found[-1]):
+        raise ValueError(f"{resume} is not the newest checkpoint of {folder} "
+                         f"({found[-1].name}): the run would go on beside that one's "
+                         "later checkpoints; resume from the newest, or copy this one "
+                         "into a new folder")
 
 
 fcntl = None if os.name == "nt" else __import__("fcntl")  # POSIX; Windows has none

@@ -282,6 +282,9 @@ def check_results_path(path, checkpoint_dir=None, *, resume=False) -> Path:
             f"the results path {path} is a folder: name a file, such as "
             f"{path / 'results.json'}"
         )
+    if os.path.lexists(path) and not path.is_file():  # no record could ever go there
+        raise ValueError(f"the results path {path} is not a file (a link to nothing, a "
+                         "pipe or a device): name a file")
     existing = next(
         folder for folder in [path.parent, *path.parent.parents] if folder.exists()
     )

@@ -128,9 +128,13 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
     if steps is not None and checkpoint["step"] > steps:  # nothing to train: refused
         raise ValueError(f"steps ({steps}) is below the step that the checkpoint "
                          f"reached ({checkpoint['step']}): resume with steps >= it")
+    if checkpoint["optimizer"] is None:  # else Adam and the warm-up start again
+        raise ValueError(f"{resume if resume is not True else checkpoint_dir}: the "
+                         "checkpoint holds no optimiser state (a model's weights "
+                         "only), so no run can resume from it; load its weights into "
+                         "a new run")
     load_model_state(model, checkpoint)
-    if checkpoint["optimizer"] is not None:
-        optimizer.load_state_dict(checkpoint["optimizer"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
     if scheduler is not None and checkpoint["scheduler"] is not None:
         scheduler.load_state_dict(checkpoint["scheduler"])
     rank, world = distributed_context()

@@ -598,3 +598,74 @@ def test_decoder_caches_refuse_memory_of_another_shape_and_a_batch_that_changed(
         model.decoder(y[:, :1], memory, None, None, cache)
         with pytest.raises(ValueError, match="the cache holds 2 rows, this step 1: reorder it"):
             model.decoder(y[:1, 1:2], memory[:1], None, None, cache)
+
+
+def test_only_scratch_folders_named_by_mkdtemp_count_as_leftovers(tmp_path):
+    """A reader's own folder `tmp` holding a SentencePiece model (model.model, model.vocab: SentencePiece's usual
+    names) was deleted as a leftover of a killed training once an hour old."""
+    import os
+    import time
+
+    from annotated_transformer.data import remove_stale_scratch
+
+    mine, scratch = tmp_path / "tmp", tmp_path / "tmpab12cd_4"
+    for folder in (mine, scratch):
+        folder.mkdir()
+        (folder / "model.model").write_bytes(b"a SentencePiece model")
+        (folder / "model.vocab").write_text("x\t0\n")
+        os.utime(folder, (time.time() - 7200,) * 2)
+    with pytest.warns(UserWarning, match="removed 1 leftover"):
+        assert remove_stale_scratch(tmp_path) == [scratch]
+    assert (mine / "model.model").read_bytes() == b"a SentencePiece model"
+
+
+def test_a_results_path_that_is_no_file_is_refused_before_the_run(tmp_path):
+    """A link to nothing passed the check before training, and after it the record's exclusive write failed on it
+    again and again: the run never ended."""
+    import os
+
+    from annotated_transformer.records import check_results_path, unclaimed
+
+    dangling = tmp_path / "run.json"
+    dangling.symlink_to(tmp_path / "gone.json")
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    for path in (dangling, fifo):
+        with pytest.raises(ValueError, match=f"the results path {path} is not a file"):
+            check_results_path(path)
+        assert unclaimed(path, None, log=lambda line: None) != path  # after a run: beside it
+
+
+def test_an_exclusive_write_without_hard_links_still_refuses_a_file_that_appeared(tmp_path, monkeypatch):
+    """Where a file system has no hard links, write_atomically(new=True) fell back to a rename, which replaced
+    another run's record that appeared meanwhile."""
+    import os
+
+    from annotated_transformer.checkpoints import write_atomically
+
+    def no_links(*args):
+        raise PermissionError("no hard links here")
+
+    monkeypatch.setattr(os, "link", no_links)
+    theirs = tmp_path / "r.json"
+    theirs.write_text('{"other": 1}')
+    with pytest.raises(FileExistsError):
+        write_atomically(theirs, lambda stream: stream.write(b'{"mine": 2}'), new=True)
+    assert theirs.read_text() == '{"other": 1}' and sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+    mine = tmp_path / "new.json"
+    write_atomically(mine, lambda stream: stream.write(b'{"mine": 2}'), new=True)
+    assert mine.read_bytes() == b'{"mine": 2}'
+
+
+def test_collate_takes_indices_from_an_iterator_or_a_tensor():
+    """An iterator of indices was used up by the check, and the batch then held no example; a tensor's indices were
+    refused as not indices."""
+    import torch
+
+    examples = [([5, 3], [2, 7, 3]), ([6, 4, 3], [2, 8, 3]), ([9, 3], [2, 3])]
+    expected = collate(examples, [2, 0])
+    for indices in (iter([2, 0]), (i for i in (2, 0)), torch.tensor([2, 0])):
+        batch = collate(examples, indices)
+        assert torch.equal(batch.src, expected.src) and torch.equal(batch.tgt, expected.tgt)
+    with pytest.raises(TypeError, match="indices must be example indices"):
+        collate(examples, torch.tensor([True, False, True]))

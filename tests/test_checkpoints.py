@@ -464,7 +464,12 @@ def test_check_run_folder(tmp_path, monkeypatch):
     assert check_run_folder(new, config, resume=False) == new and new.is_dir() and not list(new.iterdir())
     with pytest.raises(FileNotFoundError, match="holds no checkpoint to resume$"):
         check_run_folder(new, config, resume=True)
-    assert check_run_folder(new, config, resume=str(tmp_path / "elsewhere.pt")) == new  # a path: may be empty
+    elsewhere = tmp_path / "elsewhere.pt"
+    save_checkpoint(elsewhere, model=tiny_model(), extra={"settings": {"seed": 0}})
+    assert check_run_folder(new, {**config, "seed": 0}, resume=str(elsewhere)) == new  # a path: may be empty
+    with pytest.raises(ValueError, match=r"holds a run with other settings \(elsewhere.pt\): seed \(checkpoint 0, "
+                                         r"this run 1\)"):  # but its settings are compared, as resume=True's are
+        check_run_folder(new, {**config, "seed": 1}, resume=str(elsewhere))
     save_checkpoint(checkpoint_path(new, 3), model=tiny_model(), extra={"settings": {"seed": 0}})
     with pytest.raises(ValueError, match=r"already holds checkpoints \(the newest is step_00000003.pt\): the "
                                          r"files of a run; resume that run \(--resume\), or use another folder"):
@@ -502,6 +507,9 @@ def test_the_copy_task_refuses_a_bad_folder_before_any_training(tmp_path, monkey
         train_copy_task(steps=4, checkpoint_dir=tmp_path, resume=True, **{**COPY, "batch_size": 16})
     with pytest.raises(ValueError, match=r"d_model \(checkpoint 16, this run 32\)"):
         train_copy_task(steps=4, checkpoint_dir=tmp_path, resume=True, **{**COPY, "d_model": 32})
+    with pytest.raises(ValueError, match=r"batch_size \(checkpoint 8, this run 16\)"):  # named by its path too
+        train_copy_task(steps=4, checkpoint_dir=tmp_path.parent / f"{tmp_path.name}-b",
+                        resume=str(latest_checkpoint(tmp_path)), **{**COPY, "batch_size": 16})
     with pytest.raises(ValueError, match="is a file, not a folder"):
         train_copy_task(steps=4, checkpoint_dir=latest_checkpoint(tmp_path), **COPY)
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
@@ -612,8 +620,32 @@ def test_train_refuses_a_new_run_among_another_runs_checkpoints_and_loses_none(t
     with pytest.raises(ValueError, match=r"already holds checkpoints \(the newest is step_00000005.pt\)"):
         train_tiny(tmp_path, 3, every=1, keep_last=2, resume=str(other / "step_00000001.pt"))  # another run's file
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
-    train_tiny(tmp_path, 6, every=1, resume=str(tmp_path / "step_00000004.pt"))  # its own earlier step: the same run
+    # its own earlier step: the run would go on beside the later checkpoints it abandons, which the rotation then
+    # counts as its own (deleting the new ones), and which a later resume=True would take up
+    with pytest.raises(ValueError, match=r"step_00000004.pt is not the newest checkpoint of .* \(step_00000005.pt\)"):
+        train_tiny(tmp_path, 6, every=1, resume=str(tmp_path / "step_00000004.pt"))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    train_tiny(tmp_path, 6, every=1, resume=str(tmp_path / "step_00000005.pt"))  # the newest, named: the same run
     train_tiny(tmp_path, 7, every=1, resume=True)  # resuming it is the way in
+
+
+def test_a_checkpoint_without_optimiser_state_resumes_nothing(tmp_path):
+    """A model's weights alone (average.pt, or save_checkpoint without an optimiser) were taken as a run to resume:
+    the step count went on while Adam's moments and the warm-up started again, without a word."""
+    model, history = train_tiny(tmp_path / "run", 4)
+    save_checkpoint(tmp_path / "weights.pt", model=model, step=4, extra={"history": history})
+    with pytest.raises(ValueError, match=r"weights.pt: the checkpoint holds no optimiser state"):
+        train_tiny(tmp_path / "new", 8, resume=str(tmp_path / "weights.pt"))
+    assert not list((tmp_path / "new").glob("step_*.pt"))
+
+
+def test_numpy_values_are_refused_before_training_not_after_it(tmp_path):
+    """A NumPy float passed as a float, and the checkpoint holding it could not be read back (weights_only)."""
+    import numpy as np
+
+    with pytest.raises(TypeError, match="a checkpoint holds tensors and plain values only, not float64"):
+        content_digest({"best": np.float64(1.5)})
+    assert content_digest({"best": 1.5}) != content_digest({"best": 1.25})
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

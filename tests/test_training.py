@@ -672,9 +672,10 @@ def test_model_from_checkpoint_and_other_configuration(tmp_path):
     with pytest.raises(ValueError, match=r"d_model \(checkpoint 16, model 32\)"):
         checkpoints.load_model_state(other, checkpoint)
     optimizer = make_optimizer(other)
+    run = save_checkpoint(tmp_path / "run.pt", model=model, optimizer=make_optimizer(model))  # one to resume
     with pytest.raises(ValueError, match=r"d_model \(checkpoint 16, model 32\), h \(checkpoint 2, model 4\)"):
         train(other, padded_batches(1), steps=1, optimizer=optimizer, loss_fn=LabelSmoothing(11, 0, 0.0),
-              resume=path, progress=False)
+              resume=run, progress=False)
 
 
 def test_average_checkpoints(tmp_path):
