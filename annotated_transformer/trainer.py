@@ -111,11 +111,12 @@ def accumulate_gradients(net: nn.Module, group: Sequence[Batch], loss_fn: Callab
 
 def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
                     scheduler=None, scaler=None, precision: Precision | None = None,
-                    steps: int | None = None):
+                    steps: int | None = None, every: int | None = None):
     """Restore a checkpoint (``resume``: True, the newest intact one of
     ``checkpoint_dir``; or a path) into model, optimiser, schedule, generators and
-    ``scaler``: (start step, history, seconds). Refused: a checkpoint beyond ``steps``;
-    said: another ``precision``, or ``steps`` short of the run's own goal."""
+    ``scaler``: (start step, history, seconds). Refused: a checkpoint beyond ``steps``,
+    or of another cadence than ``every``; said: another ``precision``, or ``steps``
+    short of the run's own goal."""
     if isinstance(resume, (str, os.PathLike)):
         checkpoint = load_checkpoint(resume)
     else:
@@ -133,6 +134,11 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
                          "checkpoint holds no optimiser state (a model's weights "
                          "only), so no run can resume from it; load its weights into "
                          "a new run")
+    saved = checkpoint["extra"].get("every", every)  # the run's checkpoint cadence
+    if every is not None and saved != every:  # the rotation would delete those off it
+        raise ValueError(
+            f"the run saved a checkpoint every {saved} steps, this one every {every}: "
+            f"resume with checkpoint_every={saved}, the run's own")
     load_model_state(model, checkpoint)
     optimizer.load_state_dict(checkpoint["optimizer"])
     if scheduler is not None and checkpoint["scheduler"] is not None:
@@ -295,7 +301,8 @@ def train(
     if resume:
         start, history, seconds_before = resume_training(
             resume, checkpoint_dir, model=model.to(device), optimizer=optimizer,
-            scheduler=scheduler, scaler=scaler, precision=precision, steps=steps)
+            scheduler=scheduler, scaler=scaler, precision=precision, steps=steps,
+            every=checkpoint_every)
     history = history or {key: [] for key in HISTORY}
     for key in HISTORY:  # a run saved before the key existed has no values for it
         history.setdefault(key, [None] * len(history["step"]))
@@ -346,7 +353,8 @@ def train(
                 if checkpoint_dir is not None and (
                         last or due(step + 1, checkpoint_every, steps) or stop):
                     write_checkpoint(checkpoint_dir, step + 1, train_seconds=seconds,
-                                     extra={**(extra or {}), "steps": steps},  # goal
+                                     extra={**(extra or {}), "steps": steps,  # goal
+                                            "every": checkpoint_every},
                                      **saving_options)
                 if stop:  # after the write of its checkpoint, which the message names
                     stopped(stop[0], step + 1, checkpoint_dir, writer)

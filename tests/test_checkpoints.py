@@ -230,12 +230,17 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint_and_warns(tmp_path):
 
 def test_issue_reproducer_byte_flip_at_120000_of_a_copy_checkpoint(tmp_path):
     """The issue's reproducer: 4 bytes flipped at offset 120000 of the newest copy-task checkpoint (d_model 16,
-    one layer); resuming trained on into nan. Now the load fails clearly and resuming continues from step 2."""
+    one layer); resuming trained on into nan. Now the load fails clearly and resuming continues from step 2. The
+    flip hits the tensor nearest that offset (the container's layout moves as the checkpoint's contents change, and
+    a flip in a zip header's padding changes no content)."""
     run, straight = tmp_path / "run", tmp_path / "straight"
     train_copy_task(steps=4, checkpoint_dir=run, checkpoint_every=2, **COPY)
     newest = latest_checkpoint(run)
     assert newest.stat().st_size > 120_004
-    flip_bytes(newest, 120_000)
+    stored = load_checkpoint(newest)
+    tensors = [*stored["model"].values(), *(t for state in stored["optimizer"]["state"].values()
+                                            for t in state.values() if t.numel() > 1)]
+    flip_bytes(newest, min((tensor_offset(newest, t) for t in tensors), key=lambda at: abs(at - 120_000)))
     with pytest.raises(CheckpointError, match="step_00000004.pt"):
         load_checkpoint(newest)
     with pytest.warns(UserWarning, match="step_00000002.pt instead"):
@@ -753,3 +758,16 @@ def test_a_copy_task_run_resumed_with_another_cadence_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint_every \(checkpoint 2, this run 3\)"):
         train_copy_task(steps=6, checkpoint_dir=tmp_path, checkpoint_every=3, resume=True, **COPY)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002.pt", "step_00000004.pt"]
+
+
+def test_a_run_resumed_with_another_cadence_is_refused_before_its_rotation_deletes_checkpoints(tmp_path):
+    """train never stored its cadence: resumed with checkpoint_every=3 after saving every 2 steps with keep_last=5,
+    its rotation deleted the earlier checkpoints that were off the new cadence (2, 4, 8 and 10 of 2..10)."""
+    train_tiny(tmp_path, 10, every=2, keep_last=5)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"saved a checkpoint every 2 steps, this one every 3: resume with "
+                                         r"checkpoint_every=2"):
+        train_tiny(tmp_path, 12, every=3, keep_last=5, resume=True)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    train_tiny(tmp_path, 12, every=2, keep_last=5, resume=True)
+    assert [p.name for p in list_checkpoints(tmp_path)][-1] == "step_00000012.pt"
