@@ -87,7 +87,7 @@ test: check data
 	$(MAKE) --no-print-directory html EXECUTED=_build/executed
 	$(MAKE) --no-print-directory site
 
-# The long chapters that `make test` runs with the build tools only, again as plain scripts without them.
+# The long chapters that `make test` runs with the build tools only, again without them (as scripts or notebooks).
 test-everywhere: check data
 	AT_REQUIRE_DATA=1 $(PY) -m pytest tests -n $(JOBS) -m everywhere
 

@@ -252,8 +252,13 @@ def kernel_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path, AT_PROFILE="quick", OMP_NUM_THREADS="1")
 
 
+# Over 30 s each in a CI run: `make test-everywhere` runs these (a step of the workflow), `make test` the others.
+LONG = ["beam_search", "translation", "appendix_bench"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", RUN_ALL)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.everywhere) if name in LONG else name
+                                  for name in RUN_ALL])
 def test_a_chapters_notebook_runs_all_in_a_kernel_without_the_build_tools(name: str, kernel_env) -> None:
     import jupytext
     import nbformat

@@ -30,7 +30,7 @@ CHAPTERS = [path.stem for path in chapter_paths(ROOT) if path.read_text(encoding
 PLAIN = [name for name in CHAPTERS if name not in RUN_ALL]
 # Over 10 s each as scripts in a CI run (2 workers): about five minutes of work, which nbval has just done with the
 # build tools. `make test` runs the others (the same glue and imports without the build tools), and
-# `make test-everywhere` (a step of the workflow) these.
+# `make test-everywhere` (a step of the workflow) these, with the long notebooks of tests/test_notebooks.py.
 LONG = ["questions", "recipe", "performance", "decoding", "copy_task", "sublayers", "trainer", "data", "training",
         "model"]
 
