@@ -293,10 +293,10 @@ def collate(examples, indices=None, pad: int = PAD_ID, *, multiple: int = 1) -> 
     check_size("multiple", multiple)
     if indices is not None:  # read once (an iterator), and a tensor's as ints
         indices = indices.tolist() if torch.is_tensor(indices) else list(indices)
-    if indices is not None and not all(  # a bool mask would pick examples 1 and 0
-            isinstance(i, numbers.Integral) and not isinstance(i, bool) and int(i) >= 0
-            for i in indices):
-        raise TypeError("indices must be example indices, ints >= 0")
+        if not all(  # a bool mask would pick examples 1 and 0
+                isinstance(i, numbers.Integral) and not isinstance(i, bool)
+                and int(i) >= 0 for i in indices):
+            raise TypeError("indices must be example indices, ints >= 0")
     chosen = examples if indices is None else [examples[i] for i in indices]
     if not chosen:
         raise ValueError("a batch needs at least one example")

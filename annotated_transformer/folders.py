@@ -212,13 +212,14 @@ def check_checkpoint_dir(checkpoint_dir, resume, extra) -> None:
     folder = check_run_folder(checkpoint_dir, None, resume=resume)  # it, writable
     elsewhere = isinstance(resume, (str, os.PathLike)) and (  # else: that run's step
         os.path.dirname(os.path.realpath(resume)) != os.path.realpath(folder))
-    if (not resume or elsewhere) and (found := list_checkpoints(folder)):
+    found = list_checkpoints(folder)
+    if (not resume or elsewhere) and found:
         raise ValueError(f"{folder} already holds checkpoints (the newest is "
                          f"{found[-1].name}): the files of a run; resume that run "
                          "(resume=True), or use another folder")
     # resumed from an earlier step of the folder: the rotation would mix two histories
-    found = list_checkpoints(folder) if isinstance(resume, (str, os.PathLike)) else []
-    if found and not os.path.samefile(resume, found[-1]):
+    named = isinstance(resume, (str, os.PathLike))
+    if named and found and not os.path.samefile(resume, found[-1]):
         raise ValueError(f"{resume} is not the newest checkpoint of {folder} "
                          f"({found[-1].name}): the run would go on beside that one's "
                          "later checkpoints; resume from the newest, or copy this one "

@@ -134,7 +134,8 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
                          "checkpoint holds no optimiser state (a model's weights "
                          "only), so no run can resume from it; load its weights into "
                          "a new run")
-    saved = checkpoint["extra"].get("every", every)  # the run's checkpoint cadence
+    extra = checkpoint["extra"]
+    saved = extra.get("every", every)  # the run's checkpoint cadence
     if every is not None and saved != every:  # the rotation would delete those off it
         raise ValueError(
             f"the run saved a checkpoint every {saved} steps, this one every {every}: "
@@ -151,7 +152,6 @@ def resume_training(resume, checkpoint_dir, *, model: nn.Module, optimizer,
             f"{world}: random numbers will not continue exactly as before"
         )
     set_rng_state(states[rank % len(states)])
-    extra = checkpoint["extra"]
     if steps is not None and extra.get("steps", steps) > steps:  # short of its goal
         warnings.warn(f"the run was started for {extra['steps']:,} steps; this one "
                       f"stops at {steps:,} (give its steps to finish it as started)")
